@@ -1,0 +1,347 @@
+"""chunk_kda: the public single-device KDA op, its input checks, backends and autograd.
+
+Two backends compute the same function:
+
+* ``"torch"``: the chunked form in plain torch (:mod:`kda_cp.reference`); any device, any dtype.
+* ``"tilelang"``: the TileLang kernels of :mod:`kda_cp.kernels` on Hopper GPUs.
+
+``backend="auto"`` picks TileLang for CUDA tensors it supports and torch elsewhere. Every backend
+offers the four stages that context parallelism composes (DESIGN.md §3): ``fwd``, ``bwd``,
+``summary`` (the shard's affine map (M, S~)) and ``state_grad`` (dh0 with dht = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+from typing import Literal, NamedTuple
+
+import torch
+
+from kda_cp import reference
+
+__all__ = ["chunk_kda", "KDAOptions", "Backend", "get_backend", "check_inputs", "BackendName"]
+
+log = logging.getLogger(__name__)
+
+BackendName = Literal["auto", "torch", "tilelang"]
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _shape(x: torch.Tensor) -> str:
+    return f"{list(x.shape)} ({x.dtype}, {x.device})"
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    check_gate: bool = True,
+) -> None:
+    """Validate KDA inputs; raise ValueError naming the argument, its shape and what was expected."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got {_shape(q)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+    if g.shape != q.shape:
+        raise ValueError(
+            f"g must be the per-channel log decay [B, T, H, K] = {list(q.shape)}, got {_shape(g)}"
+            + (" (a scalar gate per head is GDN, not KDA: expand it over K)" if g.shape == q.shape[:3] else "")
+        )
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {list(q.shape[:3])}, got {_shape(beta)}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if chunk_size < 1 or chunk_size % min(reference.SUB_CHUNK, chunk_size):
+        raise ValueError(f"chunk_size must be a multiple of {reference.SUB_CHUNK} (or below it), got {chunk_size}")
+    if check_gate and g.numel():
+        gmax = g.max()
+        if not bool(torch.isfinite(g).all()) or gmax.item() > 0:
+            raise ValueError(f"g is a log decay and must be finite and <= 0; max(g) = {gmax.item():.4g}")
+    n_states = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs[:-1], cs[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, not decrease, and end at T = {T}; got {cs}")
+        n_states = len(cs) - 1
+    if initial_state is not None:
+        V = v.shape[-1]
+        want = [n_states, H, K, V]
+        if list(initial_state.shape) != want:
+            raise ValueError(
+                f"initial_state must be [N, H, K, V] = {want} (N = {'number of sequences' if cu_seqlens is not None else 'B'}), "
+                f"got {_shape(initial_state)}"
+            )
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+
+
+class Grads(NamedTuple):
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dh0: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAOptions:
+    """Static options of one chunk_kda call."""
+
+    scale: float
+    chunk_size: int = 64
+    output_final_state: bool = False
+
+
+class Backend:
+    """The four stages of KDA that chunk_kda and context parallelism compose.
+
+    All states are [N, H, K, V] and all maps' M are [N, H, K, K], in fp32 (fp64 for fp64 inputs).
+    """
+
+    name = "abstract"
+
+    def fwd(self, q, k, v, g, beta, h0, opts: KDAOptions, cu_seqlens=None):
+        """-> (o [B, T, H, V], ht [N, H, K, V])."""
+        raise NotImplementedError
+
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts: KDAOptions, cu_seqlens=None) -> Grads:
+        """Gradients of <o, do> + <ht, dht> with respect to q, k, v, g, beta and h0."""
+        raise NotImplementedError
+
+    def summary(self, k, v, g, beta, opts: KDAOptions):
+        """-> (M [B, H, K, K], S_tilde [B, H, K, V]) with S_out = M S_in + S_tilde."""
+        raise NotImplementedError
+
+    def state_grad(self, q, k, v, g, beta, do, opts: KDAOptions):
+        """dh0 of <o, do> alone (dht = 0); independent of h0 because o is affine in h0."""
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """Chunked KDA in torch; backward by recomputing the forward under autograd."""
+
+    name = "torch"
+
+    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
+        return reference.chunk_kda_torch(
+            q, k, v, g, beta, opts.scale, h0, True, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size
+        )
+
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+        with torch.enable_grad():
+            o, ht = reference.chunk_kda_torch(
+                *leaves[:5], opts.scale, leaves[5], True, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size
+            )
+            outs, grads = [o], [do]
+            if dht is not None:
+                outs.append(ht)
+                grads.append(dht.to(ht.dtype))
+            res = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        return Grads(*(torch.zeros_like(x) if r is None else r for x, r in zip(leaves, res)))
+
+    def summary(self, k, v, g, beta, opts):
+        return reference.chunk_kda_summary_torch(k, v, g, beta, chunk_size=opts.chunk_size)
+
+    def state_grad(self, q, k, v, g, beta, do, opts):
+        B, _, H, K = q.shape
+        h0 = q.new_zeros(B, H, K, v.shape[-1], dtype=reference._compute_dtype(q.dtype)).requires_grad_(True)
+        with torch.enable_grad():
+            o, _ = reference.chunk_kda_torch(
+                q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), opts.scale, h0, False,
+                chunk_size=opts.chunk_size,
+            )
+            (dh0,) = torch.autograd.grad(o, h0, do)
+        return dh0
+
+
+class TileLangBackend(TorchBackend):
+    """TileLang kernels for the forward and the shard summary; the rest from the torch backend."""
+
+    name = "tilelang"
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
+        return self.kernels.chunk_kda_fwd(
+            q, k, v, g, beta, scale=opts.scale, initial_state=h0, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size,
+        )
+
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
+        _warn_once("The TileLang backward is not written yet: KDA gradients are recomputed with the torch backend.")
+        return super().bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens)
+
+    def summary(self, k, v, g, beta, opts):
+        return self.kernels.chunk_kda_summary(k, v, g, beta, chunk_size=opts.chunk_size)
+
+    def state_grad(self, q, k, v, g, beta, do, opts):
+        _warn_once("The TileLang backward is not written yet: KDA gradients are recomputed with the torch backend.")
+        return super().state_grad(q, k, v, g, beta, do, opts)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_kernels():
+    try:
+        from kda_cp import kernels
+    except Exception as exc:  # tilelang missing or broken
+        return None, f"kda_cp.kernels could not be imported ({type(exc).__name__}: {exc})"
+    if not hasattr(kernels, "chunk_kda_fwd"):
+        return None, "kda_cp.kernels has no chunk_kda_fwd"
+    return kernels, ""
+
+
+_TORCH = TorchBackend()
+
+
+def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None) -> Backend:
+    """Resolve a backend name for these inputs.
+
+    "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
+    CUDA). "tilelang": the kernels, or NotImplementedError saying why not. "torch": torch.
+
+    Raises:
+        ValueError: unknown name. NotImplementedError: "tilelang" for inputs it does not cover.
+    """
+    if name == "torch":
+        return _TORCH
+    if name not in ("auto", "tilelang"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'tilelang', got {name!r}")
+    if not q.is_cuda:
+        if name == "tilelang":
+            raise NotImplementedError(f"the TileLang backend needs CUDA tensors, got q on {q.device}")
+        return _TORCH
+    kernels, why = _tilelang_kernels()
+    if kernels is not None:
+        ok, why = kernels.is_supported(q, k, v, g, beta, cu_seqlens)
+        if ok:
+            return TileLangBackend(kernels)
+    if name == "tilelang":
+        raise NotImplementedError(f"the TileLang backend does not cover these inputs: {why}")
+    _warn_once(f"chunk_kda falls back to the torch backend on CUDA: {why}")
+    return _TORCH
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd and the public op
+# --------------------------------------------------------------------------------------------
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd for chunk_kda: forward by the backend's fwd, backward by its bwd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, backend: Backend, opts: KDAOptions):
+        o, ht = backend.fwd(q, k, v, g, beta, h0, opts, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+        ctx.backend, ctx.opts = backend, opts
+        if not opts.output_final_state:
+            return o, None
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        grads = ctx.backend.bwd(q, k, v, g, beta, h0, do, dht, ctx.opts, cu_seqlens)
+        return (
+            grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
+            grads.dbeta.to(beta.dtype), grads.dh0.to(h0.dtype), None, None, None,
+        )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: BackendName = "auto",
+    check_gate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
+
+    Math:
+        S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+
+    Args:
+        q, k: [B, T, H, K], fp32/fp64 (any backend) or bf16/fp16 (TileLang on Hopper).
+            k is expected L2-normalized per head (the layer does this), though not required.
+        v: [B, T, H, V], q's dtype.
+        g: [B, T, H, K], natural-log decay per step, fp32 (g <= 0). Not cumsummed.
+        beta: [B, T, H], write strength in (0, 1).
+        scale: output scale; default K ** -0.5.
+        initial_state: [N, H, K, V], fp32; N = B, or the number of sequences with cu_seqlens.
+        output_final_state: also return the state after the last token of each sequence.
+        cu_seqlens: int tensor [N + 1] of packed-sequence offsets (FlashAttention convention, B = 1).
+        chunk_size: tokens per chunk (64; a multiple of 16).
+        backend: "auto", "torch" or "tilelang" (see :func:`get_backend`).
+        check_gate: verify g is finite and <= 0 (one device sync).
+
+    Returns:
+        o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
+        Both are differentiable in q, k, v, g, beta and initial_state.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
+            the expected shape), g > 0, malformed cu_seqlens.
+        NotImplementedError: backend="tilelang" for inputs the kernels do not cover.
+
+    Numerics:
+        Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
+    """
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
+                      output_final_state=output_final_state)
+    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens)
+    n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    sdt = reference._compute_dtype(q.dtype)
+    h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state
+    o, ht = ChunkKDAFunction.apply(q, k, v, g, beta, h0, cu_seqlens, impl, opts)
+    return o, ht

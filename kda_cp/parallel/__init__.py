@@ -1,0 +1,9 @@
+"""Context parallelism: the sharded KDA op, sharding helpers and the exchange.
+
+Only this package touches torch.distributed.
+"""
+
+from kda_cp.parallel.cp import cp_chunk_kda
+from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_sequence, split_sequence
+
+__all__ = ["cp_chunk_kda", "gather_sequence", "shard_bounds", "shard_sequence", "split_sequence"]

@@ -1,0 +1,66 @@
+"""Collectives used by context parallelism: stacking per-rank tensors and agreeing on inputs.
+
+The only module besides the CP ops that calls torch.distributed. Every function here is a
+collective: all ranks of ``group`` must call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise"]
+
+
+def group_rank_and_size(group) -> tuple[int, int]:
+    """(rank in group, group size); (0, 1) when group is None or distributed is not initialized.
+
+    Raises:
+        ValueError: this process is not a member of ``group``.
+    """
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given cp_group "
+            f"of size {dist.get_world_size(group)}; pass the group that this rank belongs to"
+        )
+    return rank, dist.get_world_size(group)
+
+
+def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
+    """Stack ``x`` from every rank of ``group`` on a new dim 0: [P, *x.shape]. Same shape on all ranks."""
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return x[None]
+    out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def agree_or_raise(meta: list[int], error: str | None, group, what: str) -> torch.Tensor:
+    """Exchange small integer metadata and a failure flag so that every rank raises together.
+
+    Each rank validates its inputs first, then calls this with its metadata (``meta``) and its
+    error message (or None). If any rank failed, every rank raises ValueError: the failing rank
+    with its own message, the others naming the failing ranks. Nothing waits on a rank that
+    stopped early, so a bad input never hangs the group.
+
+    Returns:
+        [P, len(meta) + 1] int64 (CPU) with each rank's flag and metadata.
+    """
+    rank, size = group_rank_and_size(group)
+    row = torch.tensor([0 if error is None else 1, *meta], dtype=torch.int64)
+    if size == 1:
+        table = row[None]
+    else:
+        backend = dist.get_backend(group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        table = all_gather_stack(row.to(dev), group).cpu()
+    if error is not None:
+        raise ValueError(error)
+    bad = [r for r in range(size) if table[r, 0] != 0]
+    if bad:
+        raise ValueError(f"{what}: rank(s) {bad} of the cp_group rejected their inputs (see their errors)")
+    return table

@@ -1,0 +1,268 @@
+"""Plain-torch KDA: the per-token oracle and the chunked CPU backend.
+
+Two implementations of the same function, side by side:
+
+* :func:`naive_recurrent_kda` runs the recurrence of Kimi Linear (arXiv:2510.26692, Eq. 1) one token
+  at a time. It is the oracle every test compares to (run it in fp64).
+* :func:`chunk_kda_torch` computes the chunked form (DESIGN.md §2; Kimi Linear Eqs. 7-9; the UT
+  transform of Gated DeltaNet, arXiv:2412.06464) with torch ops. It mirrors what the TileLang
+  kernels compute, runs on any device, and is differentiable through torch autograd. It is the
+  backend that CPU users and CI run.
+
+Conventions (flash-linear-attention's layout)::
+
+    q, k: [B, T, H, K]    v: [B, T, H, V]    g: [B, T, H, K] (natural-log decay per step, g <= 0)
+    beta: [B, T, H]       state S: [B, H, K, V]              o: [B, T, H, V]
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale * S_t^T q_t                                        scale defaults to K ** -0.5
+
+Inputs are not validated here; :func:`kda_cp.ops.chunk_kda` is the checked public entry point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_summary_torch", "SUB_CHUNK"]
+
+#: Length of the sub-chunks inside a chunk. Decay factors are only ever formed between positions
+#: of one sub-chunk or through the boundary between two sub-chunks, so no exponent is positive.
+SUB_CHUNK = 16
+
+
+def _segments(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, total)]
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA recurrence (Kimi Linear Eq. 1), computed in the inputs' dtype.
+
+    Math:
+        S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+        Decay first, then the delta-rule erase/write.
+
+    Args:
+        q, k: [B, T, H, K].
+        v: [B, T, H, V].
+        g: [B, T, H, K], natural-log decay of each step (g <= 0).
+        beta: [B, T, H], write strength.
+        scale: output scale, default K ** -0.5.
+        initial_state: [N, H, K, V] with N = B, or N = number of sequences with cu_seqlens.
+        output_final_state: return the state after the last token (of each sequence).
+        cu_seqlens: int tensor [N + 1], FlashAttention convention (B must be 1).
+
+    Returns:
+        o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] or None.
+
+    Numerics:
+        Everything in the dtype of q (use fp64 in tests: the error is then ~1e-15).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    dtype = q.dtype
+    o = torch.zeros(B, T, H, V, dtype=dtype, device=q.device)
+    segs = _segments(cu_seqlens, T)
+    n_states = len(segs) if cu_seqlens is not None else B
+    finals = q.new_zeros(n_states, H, K, V)
+    finals_list = []
+    for b in range(B):
+        for i, (bos, eos) in enumerate(segs):
+            n = i if cu_seqlens is not None else b
+            if initial_state is None:
+                S = q.new_zeros(H, K, V)
+            else:
+                S = initial_state[n].to(dtype)
+            for t in range(bos, eos):
+                kt, vt, qt = k[b, t].to(dtype), v[b, t].to(dtype), q[b, t].to(dtype)
+                S = S * g[b, t].to(dtype).exp()[..., None]
+                bt = beta[b, t].to(dtype)[:, None]
+                pred = torch.einsum("hk,hkv->hv", kt, S)
+                S = S + torch.einsum("hk,hv->hkv", kt, bt * (vt - pred))
+                o[b, t] = torch.einsum("hk,hkv->hv", qt, S) * scale
+            finals_list.append((n, S))
+    if output_final_state:
+        finals = torch.stack([s for _, s in sorted(finals_list, key=lambda x: x[0])])
+        return o, finals
+    return o, None
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked form
+# --------------------------------------------------------------------------------------------
+
+
+def _decayed_products(x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, strict: bool) -> torch.Tensor:
+    """A[c, i] = sum_d x_c[d] k_i[d] exp(gamma_c[d] - gamma_i[d]) for i < c (or i <= c).
+
+    x, k, gamma: [..., C, K] (gamma = within-chunk cumsum of g). Returns [..., C, C].
+    Diagonal SUB_CHUNK blocks use the pairwise differences (exponent <= 0 on and below the
+    diagonal); off-diagonal blocks factor through the last position e_b of the column sub-chunk:
+    exp(gamma_c - gamma_i) = exp(gamma_c - gamma_{e_b}) * exp(gamma_{e_b} - gamma_i), both <= 0.
+    """
+    *lead, C, K = x.shape
+    s = min(SUB_CHUNK, C)
+    ns = C // s
+    xs = x.reshape(*lead, ns, s, K)
+    ks = k.reshape(*lead, ns, s, K)
+    gs = gamma.reshape(*lead, ns, s, K)
+    # diagonal blocks: [..., ns, s, s, K]
+    diff = gs[..., :, None, :] - gs[..., None, :, :]
+    tri = torch.ones(s, s, dtype=torch.bool, device=x.device)
+    tri = torch.tril(tri, diagonal=-1 if strict else 0)
+    diff = torch.where(tri[..., None], diff, torch.full_like(diff, float("-inf")))
+    diag = torch.einsum("...ik,...jk,...ijk->...ij", xs, ks, diff.exp())  # [..., ns, s, s]
+    # off-diagonal blocks (row sub-chunk a > column sub-chunk b), anchored at e_b
+    g_end = gs[..., -1, :]  # [..., ns, K]
+    right = ks * (g_end[..., None, :] - gs).exp()  # [..., ns_b, s, K]
+    lower = torch.tril(torch.ones(ns, ns, dtype=torch.bool, device=x.device), diagonal=-1)  # a > b
+    expo = gs[..., :, None, :, :] - g_end[..., None, :, None, :]  # [..., ns_a, ns_b, s, K]
+    expo = torch.where(lower[:, :, None, None], expo, torch.full_like(expo, float("-inf")))
+    left = xs[..., :, None, :, :] * expo.exp()  # [..., ns_a, ns_b, s, K]
+    off = torch.einsum("...abik,...bjk->...abij", left, right)  # [..., ns_a, ns_b, s, s]
+    eye = torch.eye(ns, dtype=torch.bool, device=x.device)
+    blocks = off + torch.where(eye[:, :, None, None], diag[..., :, None, :, :], torch.zeros_like(off))
+    return blocks.transpose(-3, -2).reshape(*lead, C, C)
+
+
+def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
+    """Chunked KDA for one dense batch. Inputs already in the compute dtype; returns (o, ht)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = (T + C - 1) // C
+    pad = N * C - T
+    if pad:
+        # Padded tokens have k = 0, beta = 0 and g = 0: they neither write nor decay the state.
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+
+    def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D]
+        return x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4)
+
+    qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
+    bc = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
+    gamma = gc.cumsum(-2)  # within-chunk cumsum of the natural-log decay
+    Gam = gamma.exp()
+    gam_last = gamma[..., -1:, :]
+    a_kk = _decayed_products(kc, kc, gamma, strict=True) * bc[..., None]
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([Gam * kc, vc], dim=-1) * bc[..., None]
+    wu = torch.linalg.solve_triangular(eye + a_kk, rhs, upper=False, unitriangular=True)
+    w, u = wu[..., :K], wu[..., K:]
+    k_out = kc * (gam_last - gamma).exp()  # k_r * exp(gamma_C - gamma_r)
+    decay_last = gam_last.exp()[..., 0, :, None]  # [B, H, N, K, 1]
+    if with_output:
+        qg = qc * Gam
+        a_qk = _decayed_products(qc, kc, gamma, strict=False)
+    S = h0
+    outs = []
+    for n in range(N):
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        if with_output:
+            outs.append(qg[:, :, n] @ S + a_qk[:, :, n] @ v_new)
+        S = decay_last[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
+    o = None
+    if with_output:
+        if N:
+            o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T] * scale
+        else:
+            o = v.new_zeros(B, 0, H, V)
+    return o, S
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA in plain torch (DESIGN.md §2), differentiable by autograd.
+
+    Math (per chunk of C tokens, gamma = within-chunk cumsum of g, Gamma = exp(gamma)):
+        A_kk = StrictTril(Diag(beta) (Gamma*K)(K/Gamma)^T)
+        [W | U] = (I + A_kk)^-1 Diag(beta) [Gamma*K | V]          (UT transform)
+        V' = U - W S;  O = (Gamma*Q) S + Tril((Gamma*Q)(K/Gamma)^T) V'
+        S <- Diag(exp(gamma_C)) S + (exp(gamma_C - gamma)*K)^T V'
+    The decayed products are formed per 16-token sub-chunk so no exponent is ever positive: any
+    g <= 0 works here, bounded or not.
+
+    Args/Returns: as :func:`naive_recurrent_kda`, plus ``chunk_size`` (a multiple of 16, or less
+    than 16). T need not be a multiple of ``chunk_size``.
+
+    Numerics:
+        Computed in promote(q.dtype, fp32); o is cast back to q's dtype, the state is fp32 (fp64 for
+        fp64 inputs). Against the fp64 recurrence the fp64 error is ~1e-14.
+    """
+    cdt = _compute_dtype(q.dtype)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q_, k_, v_, g_, b_ = (x.to(cdt) for x in (q, k, v, g, beta))
+    if cu_seqlens is None:
+        h0 = q_.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cdt)
+        o, ht = _chunk_kda_dense(q_, k_, v_, g_, b_, scale, h0, chunk_size)
+    else:
+        outs, finals = [], []
+        for i, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
+            h0 = q_.new_zeros(1, H, K, V) if initial_state is None else initial_state[i : i + 1].to(cdt)
+            sl = slice(bos, eos)
+            o_i, h_i = _chunk_kda_dense(q_[:, sl], k_[:, sl], v_[:, sl], g_[:, sl], b_[:, sl], scale, h0, chunk_size)
+            outs.append(o_i)
+            finals.append(h_i)
+        o = torch.cat(outs, dim=1) if outs else v_.new_zeros(1, 0, H, V)
+        ht = torch.cat(finals, dim=0)
+    return o.to(q.dtype), (ht if output_final_state else None)
+
+
+def chunk_kda_summary_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map of a segment: S_out = M @ S_in + S_tilde (DESIGN.md §3), in one state pass.
+
+    The recurrence acts on the V columns of the state independently, so one pass from the
+    augmented state [0 | I] with values [V | 0] ends in [S_tilde | M].
+
+    Args:
+        k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H].
+
+    Returns:
+        M: [B, H, K, K] = M_{T-1} ... M_0 with M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t));
+        S_tilde: [B, H, K, V], the end state from a zero initial state. Both in promote(dtype, fp32).
+    """
+    cdt = _compute_dtype(k.dtype)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    k_, v_, g_, b_ = (x.to(cdt) for x in (k, v, g, beta))
+    v_aug = torch.cat([v_, v_.new_zeros(B, T, H, K)], dim=-1)
+    eye = torch.eye(K, dtype=cdt, device=k.device).expand(B, H, K, K)
+    h0 = torch.cat([k_.new_zeros(B, H, K, V), eye], dim=-1)
+    _, s_aug = _chunk_kda_dense(k_, k_, v_aug, g_, b_, 1.0, h0, chunk_size, with_output=False)
+    return s_aug[..., V:], s_aug[..., :V]

@@ -1,0 +1,135 @@
+"""Affine-map algebra for context parallelism (DESIGN.md §3; Kimi K3 report, CP by prefix scan).
+
+A segment of tokens maps the state entering it to the state leaving it::
+
+    S_out = M @ S_in + S          M: [..., K, K]   S: [..., K, V]
+
+so a segment is a pair (M, S). Composition, "first X, then Y", is associative::
+
+    (M_Y, S_Y) o (M_X, S_X) = (M_Y M_X,  M_Y S_X + S_Y)
+
+Ranks r = 0..P-1 hold consecutive segments. The state entering rank r is the exclusive prefix
+(pair_{r-1} o ... o pair_0) applied to the initial state. In backward the gradient D_r of rank r's
+end state is the reverse exclusive scan of the transposed maps x -> M_j^T x + G_j over j > r.
+
+Pairs of all ranks are stacked on dim 0 ([P, ...]). Pure math: no process groups here. Two
+schedules compute the same scans: ``"sequential"`` (P - 1 steps) and ``"log_depth"``
+(Hillis-Steele, ceil(log2 P) steps of batched products). Matrix products run in the tensors'
+dtype; keep M in fp32 or fp64 (never bf16/TF32: the error would grow with the chain length).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+__all__ = [
+    "AffineMap",
+    "compose",
+    "apply",
+    "identity_like",
+    "exclusive_scan",
+    "reverse_transposed_exclusive_scan",
+    "total",
+    "ScanMethod",
+]
+
+ScanMethod = Literal["sequential", "log_depth"]
+
+
+class AffineMap(NamedTuple):
+    """x -> M @ x + S. M: [..., K, K]; S: [..., K, V]."""
+
+    M: torch.Tensor
+    S: torch.Tensor
+
+
+def compose(second: AffineMap, first: AffineMap) -> AffineMap:
+    """The map "apply ``first``, then ``second``": (M2 M1, M2 S1 + S2)."""
+    return AffineMap(second.M @ first.M, second.M @ first.S + second.S)
+
+
+def apply(f: AffineMap, x: torch.Tensor) -> torch.Tensor:
+    """f(x) = M @ x + S."""
+    return f.M @ x + f.S
+
+
+def identity_like(f: AffineMap) -> AffineMap:
+    """The identity map with the shapes, dtype and device of ``f`` (one element of a stack)."""
+    K = f.M.shape[-1]
+    eye = torch.eye(K, dtype=f.M.dtype, device=f.M.device).expand_as(f.M).clone()
+    return AffineMap(eye, torch.zeros_like(f.S))
+
+
+def _check_stack(maps: AffineMap) -> None:
+    M, S = maps
+    if M.dim() < 3 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"M must be [P, ..., K, K], got {tuple(M.shape)}")
+    if S.shape[:-1] != M.shape[:-1]:
+        raise ValueError(f"S must be [P, ..., K, V] matching M {tuple(M.shape)}, got {tuple(S.shape)}")
+
+
+def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
+    """Exclusive prefix compositions of a stack of maps.
+
+    Args:
+        maps: (M [P, ..., K, K], S [P, ..., K, V]); maps[r] is segment r.
+        method: "sequential" or "log_depth"; both give the same result up to rounding.
+
+    Returns:
+        prefix with prefix[0] = identity and prefix[r] = maps[r-1] o ... o maps[0].
+
+    Raises:
+        ValueError: on malformed shapes or an unknown method.
+    """
+    _check_stack(maps)
+    M, S = maps
+    P = M.shape[0]
+    ident = identity_like(AffineMap(M[0], S[0]))
+    if method == "sequential":
+        outM, outS = [ident.M], [ident.S]
+        acc = ident
+        for r in range(P - 1):
+            acc = compose(AffineMap(M[r], S[r]), acc)
+            outM.append(acc.M)
+            outS.append(acc.S)
+        return AffineMap(torch.stack(outM), torch.stack(outS))
+    if method == "log_depth":
+        # Shift right by one (exclusive), then Hillis-Steele inclusive scan: after the step with
+        # offset d, element r holds the composition of the (up to) 2d elements ending at r.
+        accM = torch.cat([ident.M[None], M[:-1]])
+        accS = torch.cat([ident.S[None], S[:-1]])
+        d = 1
+        while d < P:
+            newM, newS = accM.clone(), accS.clone()
+            # element r <- acc[r] o acc[r - d]
+            newM[d:] = accM[d:] @ accM[:-d]
+            newS[d:] = accM[d:] @ accS[:-d] + accS[d:]
+            accM, accS = newM, newS
+            d *= 2
+        return AffineMap(accM, accS)
+    raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
+
+
+def total(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
+    """maps[P-1] o ... o maps[0]: the map of the whole sequence."""
+    prefix = exclusive_scan(maps, method)
+    return compose(AffineMap(maps.M[-1], maps.S[-1]), AffineMap(prefix.M[-1], prefix.S[-1]))
+
+
+def reverse_transposed_exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
+    """Suffix compositions of the transposed maps x -> M_j^T x + G_j, for the CP backward.
+
+    Args:
+        maps: (M [P, ..., K, K], G [P, ..., K, V]) where M_j is segment j's forward transition and
+            G_j the gradient of segment j's incoming state from its own outputs alone.
+
+    Returns:
+        suffix with suffix[P-1] = identity and suffix[r] = t_{r+1} o t_{r+2} o ... o t_{P-1},
+        t_j(x) = M_j^T x + G_j. The gradient of rank r's end state is D_r = suffix[r](D_{P-1}).
+    """
+    _check_stack(maps)
+    flipped = AffineMap(maps.M.flip(0).transpose(-1, -2), maps.S.flip(0))
+    out = exclusive_scan(flipped, method)
+    return AffineMap(out.M.flip(0), out.S.flip(0))

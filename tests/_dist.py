@@ -1,0 +1,64 @@
+"""Run a function on P gloo ranks spawned from pytest, with a free port and a bounded timeout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:  # report every failure to the parent, then exit
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 2 * TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be a module-level function; its result must be picklable (use CPU tensors).
+    Raises RuntimeError with every failing rank's traceback, or when a rank does not report in time.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            (results if status == "ok" else errors)[rank] = payload
+    except Exception as exc:
+        errors[-1] = f"no report within {timeout} s ({type(exc).__name__})"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
