@@ -155,8 +155,9 @@ def causal_conv1d(
         weight: [D, W], same dtype as x (an ``nn.Conv1d(D, D, W, groups=D)`` weight squeezed at dim 1).
         bias: [D] or None.
         cp_group: context-parallel process group; None or a group of size 1 means no sharding.
-            Collective under CP: every rank of the group must call it, shards may be uneven (even
-            shorter than W - 1, or empty).
+            Collective under CP: every rank of the group must call it (and, when training, run
+            backward with x requiring grad on every rank); shards may be uneven (even shorter than
+            W - 1, or empty).
         cu_seqlens: int [N + 1] packed-sequence offsets (B = 1): taps do not cross sequence starts.
             Single device only for now.
 
@@ -181,5 +182,8 @@ def causal_conv1d(
         xp = torch.cat([halo_exchange(x, W - 1, cp_group), x], dim=1)
     else:
         xp = F.pad(x, (0, 0, W - 1, 0))
+    if x.shape[1] == 0:  # an empty shard: stay connected to the graph so backward's collective runs
+        y = xp[:, :0] * weight[:, 0]
+        return y if bias is None else y + bias
     y = F.conv1d(xp.transpose(1, 2), weight.unsqueeze(1), bias, groups=x.shape[-1])
     return y.transpose(1, 2)
