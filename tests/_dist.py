@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -27,7 +28,9 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # bytes, not shared-memory tensors: the rank exits right after
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as exc:  # report every failure to the parent, then exit
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -51,7 +54,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 2 * TIMEOUT_S) -> lis
     try:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
     except Exception as exc:
         errors[-1] = f"no report within {timeout} s ({type(exc).__name__})"
     finally:

@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 __all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise"]
 
+# torch >= 2.13 names the single-tensor all-gather all_gather_single; older releases
+# all_gather_into_tensor. Both take a flat output of P * numel elements on gloo and NCCL.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def group_rank_and_size(group) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) when group is None or distributed is not initialized.
@@ -34,9 +38,9 @@ def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
     _, size = group_rank_and_size(group)
     if size == 1:
         return x[None]
-    out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_flat(out, x.contiguous().view(-1), group=group)
+    return out.view(size, *x.shape)
 
 
 def agree_or_raise(meta: list[int], error: str | None, group, what: str) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""cp_chunk_kda over gloo ranks equals the single-device result: outputs and every gradient."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kda_cp import naive_recurrent_kda
+from kda_cp.parallel import cp_chunk_kda, shard_bounds, split_sequence
+from tests._dist import run_ranks
+from tests._utils import assert_close, make_inputs
+
+# (id, world size, global T, shard lengths or None for the even split)
+SCENARIOS = [
+    ("P1", 1, 70, None),
+    ("P2-even", 2, 128, None),
+    ("P2-uneven", 2, 150, [101, 49]),
+    ("P3-mid-chunk-cuts", 3, 150, [64, 23, 63]),
+    ("P4-tiny-shard", 4, 150, [10, 70, 1, 69]),
+]
+
+
+def _cp_rank(rank, world, inputs, lengths, scan_method):
+    q, k, v, g, beta, h0, do, dfinal, weights = inputs
+    group = dist.group.WORLD
+    local = [split_sequence(x, world, 1, lengths)[rank].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0 = h0.clone().requires_grad_(True)
+    o, final = cp_chunk_kda(*local, cp_group=group, initial_state=h0, output_final_state=True,
+                            scan_method=scan_method)
+    do_local = split_sequence(do, world, 1, lengths)[rank]
+    # The replicated final state enters each rank's loss with a weight; the weights sum to 1.
+    loss = (o * do_local).sum() + weights[rank] * (final * dfinal).sum()
+    loss.backward()
+    return [o.detach(), final.detach()] + [x.grad for x in local] + [h0.grad]
+
+
+def _reference(inputs):
+    q, k, v, g, beta, h0, do, dfinal, _ = inputs
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, final = naive_recurrent_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    ((o * do).sum() + (final * dfinal).sum()).backward()
+    return o.detach(), final.detach(), [x.grad for x in leaves]
+
+
+def _inputs(T, world, B=2, H=3, K=8, V=6):
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, with_h0=True)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    dfinal = torch.randn(B, H, K, V, dtype=torch.float64)
+    weights = torch.rand(world, dtype=torch.float64)
+    return (q, k, v, g, beta, h0, do, dfinal, (weights / weights.sum()).tolist())
+
+
+@pytest.mark.parametrize("world,T,lengths", [s[1:] for s in SCENARIOS], ids=[s[0] for s in SCENARIOS])
+def test_cp_equals_single_device(world, T, lengths):
+    inputs = _inputs(T, world)
+    o_ref, final_ref, grads_ref = _reference(inputs)
+    results = run_ranks(_cp_rank, world, inputs, lengths, "log_depth")
+    bounds = shard_bounds(T, world, lengths)
+    assert_close("o", o_ref, torch.cat([r[0] for r in results], dim=1), 1e-10)
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    for rank, ((a, b), res) in enumerate(zip(bounds, results)):
+        assert_close(f"final_state[rank {rank}]", final_ref, res[1], 1e-10)
+        for name, ref, got in zip(names, grads_ref[:5], res[2:7]):
+            if b > a:
+                assert_close(f"{name}[rank {rank}]", ref[:, a:b], got, 1e-10)
+        assert_close(f"dh0[rank {rank}]", grads_ref[5], res[7], 1e-10)
+
+
+def test_scan_methods_agree():
+    inputs = _inputs(150, 3)
+    seq = run_ranks(_cp_rank, 3, inputs, [40, 60, 50], "sequential")
+    tree = run_ranks(_cp_rank, 3, inputs, [40, 60, 50], "log_depth")
+    for rank in range(3):
+        for a, b in zip(seq[rank], tree[rank]):
+            assert_close(f"rank {rank}", a, b, 1e-12)
+
+
+def _error_rank(rank, world, case):
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True)
+    group = dist.group.WORLD
+    if case == "bad-g-on-rank-1" and rank == 1:
+        g = g[..., 0]
+    if case == "ranks-disagree-on-H" and rank == 0:
+        q, k, v, g, beta = (x[:, :, :1] for x in (q, k, v, g, beta))
+        h0 = h0[:, :1]
+    if case == "bad-initial-state":
+        h0 = h0[:, :, :3]
+    if case == "not-in-group":
+        group = dist.new_group(ranks=[0])
+        if rank == 0:
+            return "skipped"
+    try:
+        cp_chunk_kda(q, k, v, g, beta, cp_group=group, initial_state=h0)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("bad-g-on-rank-1", [r"rank\(s\) \[1\]", r"rank 1: g must be the per-channel log decay"]),
+    ("ranks-disagree-on-H", ["ranks disagree", "ranks disagree"]),
+    ("bad-initial-state", [r"initial_state must be \[N, H, K, V\]"] * 2),
+    ("not-in-group", ["skipped", "not a member of the given cp_group"]),
+])
+def test_bad_input_raises_on_every_rank(case, expect):
+    import re
+
+    messages = run_ranks(_error_rank, 2, case, timeout=90)
+    for rank, (msg, pattern) in enumerate(zip(messages, expect)):
+        assert re.search(pattern, msg), f"rank {rank}: {msg!r} does not match {pattern!r}"

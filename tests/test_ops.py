@@ -1,0 +1,60 @@
+"""chunk_kda's input checks and backend selection."""
+
+import pytest
+import torch
+
+from kda_cp import chunk_kda
+from tests._utils import make_inputs
+
+
+@pytest.fixture
+def inputs():
+    return make_inputs(2, 20, 2, 8, 4, dtype=torch.float32, with_h0=True)
+
+
+def test_g_with_scalar_gate_shape_is_rejected(inputs):
+    q, k, v, g, beta, _ = inputs
+    with pytest.raises(ValueError, match=r"g must be the per-channel log decay \[B, T, H, K\].*scalar gate"):
+        chunk_kda(q, k, v, g[..., 0], beta)
+
+
+@pytest.mark.parametrize("which", ["k", "v", "beta"])
+def test_mismatched_shapes(inputs, which):
+    q, k, v, g, beta, _ = inputs
+    args = dict(q=q, k=k, v=v, g=g, beta=beta)
+    args[which] = args[which][:, :-1]
+    with pytest.raises(ValueError, match=rf"^{which} must (be|have)"):
+        chunk_kda(*args.values())
+
+
+def test_positive_gate(inputs):
+    q, k, v, g, beta, _ = inputs
+    g = g.clone()
+    g[0, 3, 1, 2] = 0.1
+    with pytest.raises(ValueError, match=r"g is a log decay and must be finite and <= 0"):
+        chunk_kda(q, k, v, g, beta)
+
+
+def test_bad_initial_state(inputs):
+    q, k, v, g, beta, h0 = inputs
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\] = \[2, 2, 8, 4\]"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0[:, :, :, :3])
+
+
+def test_bad_cu_seqlens(inputs):
+    q, k, v, g, beta, _ = inputs
+    one = [x[:1] for x in (q, k, v, g, beta)]
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        chunk_kda(*one, cu_seqlens=torch.tensor([0, 5, 3, 20]))
+    with pytest.raises(ValueError, match="B == 1"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 20]))
+
+
+def test_bad_chunk_size_and_backend(inputs):
+    q, k, v, g, beta, _ = inputs
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=40)
+    with pytest.raises(ValueError, match="backend"):
+        chunk_kda(q, k, v, g, beta, backend="cuda")
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        chunk_kda(q, k, v, g, beta, backend="tilelang")

@@ -1,0 +1,157 @@
+"""The chunked torch backend against the per-token recurrence (fp64), degenerate cases, causality."""
+
+import pytest
+import torch
+
+from kda_cp import chunk_kda, naive_recurrent_kda
+from kda_cp.reference import chunk_kda_summary_torch
+from tests._utils import assert_close, make_inputs
+
+CASES = [
+    # id, B, T, H, K, V, chunk_size
+    ("T63", 2, 63, 2, 16, 8, 64),
+    ("T64", 1, 64, 3, 8, 12, 64),
+    ("T200-uneven-KV", 2, 200, 2, 12, 20, 64),
+    ("T1", 1, 1, 2, 8, 8, 64),
+    ("T100-chunk32", 1, 100, 1, 16, 16, 32),
+    ("T77-chunk16", 2, 77, 2, 8, 4, 16),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,C", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["zero-h0", "h0"])
+def test_chunk_matches_recurrence_fp64(B, T, H, K, V, C, with_h0):
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, with_h0=with_h0)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C)
+    assert o.dtype == torch.float64 and s.dtype == torch.float64
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)
+    o_nf, s_nf = chunk_kda(q, k, v, g, beta, initial_state=h0, chunk_size=C)
+    assert s_nf is None
+    assert torch.equal(o_nf, o)
+
+
+def test_unbounded_gates_stay_finite():
+    """The torch backend never forms a positive exponent: strong decay (g down to -40) is exact."""
+    q, k, v, _, beta, h0 = make_inputs(1, 150, 2, 8, 8, with_h0=True)
+    g = -40 * torch.rand(1, 150, 2, 8, dtype=torch.float64)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)
+
+
+def test_gradients_match_recurrence_fp64():
+    B, T, H, K, V = 2, 90, 2, 8, 6
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, requires_grad=True, with_h0=True)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    dht = torch.randn(B, H, K, V, dtype=torch.float64)
+    inputs = (q, k, v, g, beta, h0)
+
+    def grads(fn):
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return torch.autograd.grad((o * do).sum() + (s * dht).sum(), inputs)
+
+    ref = grads(naive_recurrent_kda)
+    out = grads(chunk_kda)
+    for name, r, o in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), ref, out):
+        assert_close(name, r, o, 1e-10)
+
+
+def test_float32_against_fp64_recurrence():
+    q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 16, 16, with_h0=True)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(), output_final_state=True)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("final_state", s_ref, s, 1e-5)
+
+
+def test_packed_sequences_equal_separate_runs():
+    lengths = [15, 70, 1, 33]
+    T = sum(lengths)
+    q, k, v, g, beta, _ = make_inputs(1, T, 2, 8, 8)
+    h0 = torch.randn(len(lengths), 2, 8, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 15, 85, 86, 119])
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sl = slice(a, b)
+        o_i, s_i = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                       initial_state=h0[i:i + 1], output_final_state=True)
+        assert_close(f"o[seq {i}]", o_i, o[:, sl], 1e-10)
+        assert_close(f"state[seq {i}]", s_i, s[i:i + 1], 1e-10)
+
+
+# ---- the three degenerate cases of the kernel seed (§3.4) ----------------------------------
+
+
+def _gdn_recurrence(q, k, v, g_scalar, beta, scale):
+    """Gated DeltaNet with a scalar gate per head: S = a (I - b k k^T) S + b k v^T."""
+    B, T, H, K = q.shape
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=q.dtype)
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype)
+    for t in range(T):
+        S = S * g_scalar[:, t].exp()[..., None, None]
+        kt, bt = k[:, t], beta[:, t][..., None]
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, bt * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)))
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o
+
+
+def test_equal_channels_is_scalar_gate_gdn():
+    q, k, v, _, beta, _ = make_inputs(2, 100, 2, 8, 8)
+    g_scalar = -5 * torch.sigmoid(torch.randn(2, 100, 2, dtype=torch.float64))
+    g = g_scalar[..., None].expand(2, 100, 2, 8).contiguous()
+    o, _ = chunk_kda(q, k, v, g, beta)
+    assert_close("o", _gdn_recurrence(q, k, v, g_scalar, beta, 8**-0.5), o, 1e-10)
+
+
+def test_beta_zero_is_pure_decay():
+    q, k, v, g, _, h0 = make_inputs(1, 90, 2, 8, 8, with_h0=True)
+    beta = torch.zeros(1, 90, 2, dtype=torch.float64)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    gamma = g.cumsum(1)  # [B, T, H, K]
+    o_ref = torch.einsum("bthk,bhkv->bthv", q * gamma.exp(), h0) * 8**-0.5
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", h0 * gamma[:, -1].exp()[..., None], s, 1e-10)
+
+
+def test_zero_gate_is_deltanet():
+    q, k, v, _, beta, _ = make_inputs(2, 100, 2, 8, 8)
+    g = torch.zeros(2, 100, 2, 8, dtype=torch.float64)
+    o, _ = chunk_kda(q, k, v, g, beta)
+    assert_close("o", _gdn_recurrence(q, k, v, torch.zeros(2, 100, 2, dtype=torch.float64), beta, 8**-0.5), o, 1e-10)
+
+
+@pytest.mark.parametrize("p", [1, 37, 64, 65, 130])
+def test_causality(p):
+    """Changing inputs at t >= p leaves outputs before p unchanged (bitwise)."""
+    q, k, v, g, beta, _ = make_inputs(1, 150, 2, 8, 8)
+    o, _ = chunk_kda(q, k, v, g, beta)
+    q2, k2, v2, g2, beta2 = (x.clone() for x in (q, k, v, g, beta))
+    for x in (q2, k2, v2):
+        x[:, p:] = torch.randn_like(x[:, p:]) * 10
+    g2[:, p:] = -5 * torch.rand_like(g2[:, p:])
+    beta2[:, p:] = torch.rand_like(beta2[:, p:])
+    o2, _ = chunk_kda(q2, k2, v2, g2, beta2)
+    assert torch.equal(o[:, :p], o2[:, :p])
+    assert not torch.allclose(o[:, p:], o2[:, p:])
+
+
+def test_summary_is_the_affine_map_of_the_segment():
+    q, k, v, g, beta, h0 = make_inputs(2, 111, 2, 8, 6, with_h0=True)
+    M, St = chunk_kda_summary_torch(k, v, g, beta)
+    _, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close("M @ h0 + S~", s_ref, M @ h0 + St, 1e-10)
+    # M is the product of the per-token transitions (I - b k k^T) Diag(exp(g))
+    eye = torch.eye(8, dtype=torch.float64)
+    M_ref = eye.expand(2, 2, 8, 8).clone()
+    for t in range(111):
+        kt = k[:, t]
+        Mt = (eye - beta[:, t][..., None, None] * kt[..., :, None] * kt[..., None, :]) * g[:, t].exp()[..., None, :]
+        M_ref = Mt @ M_ref
+    assert_close("M", M_ref, M, 1e-10)

@@ -1,0 +1,57 @@
+"""Affine-map algebra: associativity, the two scan schedules agree, transposed reverse scan."""
+
+import pytest
+import torch
+
+from kda_cp import scan
+from tests._utils import assert_close
+
+
+def rand_maps(P, K=5, V=3, lead=(2,)):
+    return scan.AffineMap(torch.randn(P, *lead, K, K, dtype=torch.float64) / K**0.5,
+                          torch.randn(P, *lead, K, V, dtype=torch.float64))
+
+
+def test_compose_is_associative_and_matches_application():
+    m = rand_maps(3)
+    a, b, c = (scan.AffineMap(m.M[i], m.S[i]) for i in range(3))
+    left = scan.compose(c, scan.compose(b, a))
+    right = scan.compose(scan.compose(c, b), a)
+    assert_close("M", left.M, right.M, 1e-13)
+    assert_close("S", left.S, right.S, 1e-13)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    assert_close("apply", scan.apply(c, scan.apply(b, scan.apply(a, x))), scan.apply(left, x), 1e-13)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8, 13])
+def test_scan_schedules_agree_with_the_chain(P):
+    maps = rand_maps(P)
+    x0 = torch.randn(2, 5, 3, dtype=torch.float64)
+    seq = scan.exclusive_scan(maps, "sequential")
+    tree = scan.exclusive_scan(maps, "log_depth")
+    x = x0
+    for r in range(P):
+        assert_close(f"sequential[{r}]", x, scan.apply(scan.AffineMap(seq.M[r], seq.S[r]), x0), 1e-12)
+        assert_close(f"log_depth[{r}]", x, scan.apply(scan.AffineMap(tree.M[r], tree.S[r]), x0), 1e-12)
+        x = scan.apply(scan.AffineMap(maps.M[r], maps.S[r]), x)
+    tot = scan.total(maps)
+    assert_close("total", x, scan.apply(tot, x0), 1e-12)
+
+
+@pytest.mark.parametrize("method", ["sequential", "log_depth"])
+@pytest.mark.parametrize("P", [1, 2, 4, 7])
+def test_reverse_transposed_scan(method, P):
+    maps = rand_maps(P)
+    d_last = torch.randn(2, 5, 3, dtype=torch.float64)
+    suffix = scan.reverse_transposed_exclusive_scan(maps, method)
+    d = d_last
+    for r in range(P - 1, -1, -1):
+        assert_close(f"D[{r}]", d, scan.apply(scan.AffineMap(suffix.M[r], suffix.S[r]), d_last), 1e-12)
+        d = maps.M[r].transpose(-1, -2) @ d + maps.S[r]
+
+
+def test_bad_stack_and_method():
+    with pytest.raises(ValueError, match="M must be"):
+        scan.exclusive_scan(scan.AffineMap(torch.randn(3, 4, 5), torch.randn(3, 4, 2)))
+    with pytest.raises(ValueError, match="method"):
+        scan.exclusive_scan(rand_maps(2), "bogus")
