@@ -106,13 +106,17 @@ def naive_recurrent_kda(
 # --------------------------------------------------------------------------------------------
 
 
-def _decayed_products(x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, strict: bool) -> torch.Tensor:
+def _decayed_products(
+    x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, strict: bool, anchored_diagonal: bool
+) -> torch.Tensor:
     """A[c, i] = sum_d x_c[d] k_i[d] exp(gamma_c[d] - gamma_i[d]) for i < c (or i <= c).
 
     x, k, gamma: [..., C, K] (gamma = within-chunk cumsum of g). Returns [..., C, C].
-    Diagonal SUB_CHUNK blocks use the pairwise differences (exponent <= 0 on and below the
-    diagonal); off-diagonal blocks factor through the last position e_b of the column sub-chunk:
-    exp(gamma_c - gamma_i) = exp(gamma_c - gamma_{e_b}) * exp(gamma_{e_b} - gamma_i), both <= 0.
+    Rows of sub-chunk a against all earlier sub-chunks factor through the last position e of
+    sub-chunk a - 1: exp(gamma_c - gamma_i) = exp(gamma_c - gamma_e) * exp(gamma_e - gamma_i),
+    both exponents <= 0. Diagonal blocks anchor at the sub-chunk's first row (one GEMM; never in
+    the future of a row) when ``anchored_diagonal`` (the gate is bounded so that
+    exp((SUB_CHUNK - 1) max|g|) is finite), else use pairwise differences (any g <= 0).
     """
     *lead, C, K = x.shape
     s = min(SUB_CHUNK, C)
@@ -120,23 +124,25 @@ def _decayed_products(x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, str
     xs = x.reshape(*lead, ns, s, K)
     ks = k.reshape(*lead, ns, s, K)
     gs = gamma.reshape(*lead, ns, s, K)
-    # diagonal blocks: [..., ns, s, s, K]
-    diff = gs[..., :, None, :] - gs[..., None, :, :]
-    tri = torch.ones(s, s, dtype=torch.bool, device=x.device)
-    tri = torch.tril(tri, diagonal=-1 if strict else 0)
-    diff = torch.where(tri[..., None], diff, torch.full_like(diff, float("-inf")))
-    diag = torch.einsum("...ik,...jk,...ijk->...ij", xs, ks, diff.exp())  # [..., ns, s, s]
-    # off-diagonal blocks (row sub-chunk a > column sub-chunk b), anchored at e_b
-    g_end = gs[..., -1, :]  # [..., ns, K]
-    right = ks * (g_end[..., None, :] - gs).exp()  # [..., ns_b, s, K]
-    lower = torch.tril(torch.ones(ns, ns, dtype=torch.bool, device=x.device), diagonal=-1)  # a > b
-    expo = gs[..., :, None, :, :] - g_end[..., None, :, None, :]  # [..., ns_a, ns_b, s, K]
-    expo = torch.where(lower[:, :, None, None], expo, torch.full_like(expo, float("-inf")))
-    left = xs[..., :, None, :, :] * expo.exp()  # [..., ns_a, ns_b, s, K]
-    off = torch.einsum("...abik,...bjk->...abij", left, right)  # [..., ns_a, ns_b, s, s]
-    eye = torch.eye(ns, dtype=torch.bool, device=x.device)
-    blocks = off + torch.where(eye[:, :, None, None], diag[..., :, None, :, :], torch.zeros_like(off))
-    return blocks.transpose(-3, -2).reshape(*lead, C, C)
+    tri = torch.tril(torch.ones(s, s, dtype=torch.bool, device=x.device), diagonal=-1 if strict else 0)
+    if anchored_diagonal:
+        g_first = gs[..., :1, :]
+        diag = (xs * (gs - g_first).exp()) @ (ks * (g_first - gs).exp()).transpose(-1, -2)
+        diag = diag.masked_fill(~tri, 0.0)
+    else:
+        diff = gs[..., :, None, :] - gs[..., None, :, :]  # [..., ns, s, s, K]
+        diff = diff.masked_fill(~tri[..., None], float("-inf"))
+        diag = torch.einsum("...ik,...jk,...ijk->...ij", xs, ks, diff.exp())
+    out = x.new_zeros(*lead, C, C)
+    for a in range(ns):
+        r0 = a * s
+        out[..., r0 : r0 + s, r0 : r0 + s] = diag[..., a, :, :]
+        if a:
+            g_e = gamma[..., r0 - 1 : r0, :]  # last position of sub-chunk a - 1
+            left = xs[..., a, :, :] * (gs[..., a, :, :] - g_e).exp()
+            right = k[..., :r0, :] * (g_e - gamma[..., :r0, :]).exp()
+            out[..., r0 : r0 + s, :r0] = left @ right.transpose(-1, -2)
+    return out
 
 
 def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
@@ -159,7 +165,10 @@ def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
     gamma = gc.cumsum(-2)  # within-chunk cumsum of the natural-log decay
     Gam = gamma.exp()
     gam_last = gamma[..., -1:, :]
-    a_kk = _decayed_products(kc, kc, gamma, strict=True) * bc[..., None]
+    # Largest exponent the anchored diagonal blocks form: (SUB_CHUNK - 1) * max|g|.
+    limit = 0.5 * torch.log(torch.tensor(torch.finfo(k.dtype).max)).item()
+    anchored = g.numel() == 0 or (-g.min().item()) * (min(SUB_CHUNK, C) - 1) < limit
+    a_kk = _decayed_products(kc, kc, gamma, True, anchored) * bc[..., None]
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     rhs = torch.cat([Gam * kc, vc], dim=-1) * bc[..., None]
     wu = torch.linalg.solve_triangular(eye + a_kk, rhs, upper=False, unitriangular=True)
@@ -168,7 +177,7 @@ def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
     decay_last = gam_last.exp()[..., 0, :, None]  # [B, H, N, K, 1]
     if with_output:
         qg = qc * Gam
-        a_qk = _decayed_products(qc, kc, gamma, strict=False)
+        a_qk = _decayed_products(qc, kc, gamma, False, anchored)
     S = h0
     outs = []
     for n in range(N):
