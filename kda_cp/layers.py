@@ -1,0 +1,211 @@
+"""The KDA token mixer (Kimi Delta Attention) as an ``nn.Module``, exact under context parallelism.
+
+Per head h, for input x_t in R^D (Kimi Linear, arXiv:2510.26692, Eqs. 15-16; Kimi K3, Eqs. 17-18):
+
+    q_t, k_t = L2Norm(SiLU(ShortConv(W_{q/k} x_t)))        per head, over the K channels   (Eq. 15)
+    v_t      = SiLU(ShortConv(W_v x_t))                                                      (Eq. 15)
+    g_t      = g_min * Sigmoid(exp(A_h) * (W_g_up W_g_down x_t + b_g)),  g_min = -5          (K3 Eq. 17)
+    alpha_t  = exp(g_t) in (exp(g_min), 1)^K                      per-channel decay
+    beta_t   = Sigmoid(W_beta x_t)                                write strength           (Eq. 15)
+    o~_t     = KDA(q, k, v, g, beta)_t       S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1}
+                                                    + beta_t k_t v_t^T,   o~_t = K^-1/2 S_t^T q_t
+    y_t      = W_o [Sigmoid(W_og x_t) * RMSNorm(o~_t)]            per-head RMSNorm        (Eq. 16, K3 Eq. 18)
+
+ShortConv is the causal depthwise convolution of width 4 (:func:`kda_cp.parallel.conv.causal_conv1d`);
+under context parallelism it fetches its W-1 token halo from the previous rank, and the KDA op is
+:func:`kda_cp.parallel.cp_chunk_kda`, so a layer on a sharded sequence equals the unsharded layer.
+The output gate is full rank by default (K3 Eq. 18); ``output_gate_rank`` gives the low-rank form
+of Kimi Linear Eq. 16.
+
+Shapes: x [B, T, D] -> y [B, T, D]; under CP, T is this rank's shard length T_r.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kda_cp.ops import chunk_kda
+from kda_cp.parallel.conv import causal_conv1d
+
+__all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm"]
+
+
+@dataclass
+class KDAConfig:
+    """Hyper-parameters of one KDA layer."""
+
+    d_model: int = 192
+    """Model width D (input and output features)."""
+    num_heads: int = 4
+    """Number of KDA heads H."""
+    head_dim: int = 48
+    """Key/query head dimension K (the state is K x V per head)."""
+    value_dim: int | None = None
+    """Value head dimension V; None means V = K."""
+    conv_size: int = 4
+    """Width W of the causal depthwise short convolution on q, k, v (0 disables it)."""
+    gate_rank: int | None = None
+    """Rank of the low-rank decay-gate projection W_g_up W_g_down; None means head_dim (Kimi Linear)."""
+    output_gate_rank: int | None = None
+    """Rank of the sigmoid output gate; None means full rank (K3 Eq. 18)."""
+    g_min: float = -5.0
+    """Lower bound of the per-step log decay g = g_min * sigmoid(.), in [-5, 0) (K3 Eq. 17)."""
+    decay_init_min: float = 1e-3
+    """Initial -g spans [decay_init_min, decay_init_max] log-uniformly over channels (like Mamba's dt)."""
+    decay_init_max: float = 0.1
+    """See decay_init_min."""
+    chunk_size: int = 64
+    """Chunk length of the chunked KDA op."""
+    norm_eps: float = 1e-6
+    """Epsilon of the per-head RMSNorm and of the L2 normalization of q and k."""
+    backend: str = "auto"
+    """KDA op backend: "auto", "torch" or "tilelang" (see kda_cp.ops.get_backend)."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not -5.0 <= self.g_min < 0.0:
+            raise ValueError(f"KDAConfig.g_min must be in [-5, 0), got {self.g_min}")
+        if self.conv_size < 0:
+            raise ValueError(f"KDAConfig.conv_size must be >= 0, got {self.conv_size}")
+        if not 0 < self.decay_init_min <= self.decay_init_max < -self.g_min:
+            raise ValueError(
+                "KDAConfig needs 0 < decay_init_min <= decay_init_max < -g_min, got "
+                f"{self.decay_init_min}, {self.decay_init_max}, g_min={self.g_min}"
+            )
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, computed in fp32.
+
+    Args:
+        dim: size of the last dim.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution of width W over [B, T, D], with the CP halo when sharded.
+
+    The weight is [D, W] (``nn.Conv1d(D, D, W, groups=D)``'s weight without its middle dim),
+    initialized like nn.Conv1d. No bias (as in Kimi Linear's short convolutions).
+    """
+
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, width))
+        bound = 1.0 / math.sqrt(width)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
+        return causal_conv1d(x, self.weight, None, cp_group=cp_group)
+
+
+class KDALayer(nn.Module):
+    """One KDA token-mixing layer (module docstring has the equations).
+
+    Args:
+        config: a :class:`KDAConfig`.
+
+    Forward:
+        x: [B, T, D] (floating point). Under CP, this rank's contiguous shard of the sequence.
+        cp_group: torch.distributed group of the CP ranks, or None / a group of size 1 for an
+            unsharded sequence. Collective when sharded: every rank of the group calls forward
+            and backward in the same order.
+        Returns y: [B, T, D] in x's dtype.
+
+    Raises:
+        ValueError: x not [B, T, d_model].
+    """
+
+    def __init__(self, config: KDAConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        D, H, K, V = c.d_model, c.num_heads, c.head_dim, c.v_dim
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        if c.conv_size > 0:
+            self.q_conv = ShortConv(H * K, c.conv_size)
+            self.k_conv = ShortConv(H * K, c.conv_size)
+            self.v_conv = ShortConv(H * V, c.conv_size)
+        rank = K if c.gate_rank is None else c.gate_rank
+        self.g_down = nn.Linear(D, rank, bias=False)
+        self.g_up = nn.Linear(rank, H * K, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(H))  # per-head log scale of the gate input (K3 Eq. 17)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if c.output_gate_rank is None:
+            self.og_proj = nn.Sequential(nn.Linear(D, H * V, bias=False))
+        else:
+            self.og_proj = nn.Sequential(
+                nn.Linear(D, c.output_gate_rank, bias=False), nn.Linear(c.output_gate_rank, H * V, bias=True)
+            )
+        self.o_norm = RMSNorm(V, eps=c.norm_eps)
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self._init_gate_bias()
+
+    @torch.no_grad()
+    def _init_gate_bias(self) -> None:
+        """Bias so the initial per-step decay -g spans [decay_init_min, decay_init_max] (log-uniform)."""
+        c = self.config
+        n = self.g_up.bias.numel()
+        decay = torch.exp(
+            torch.linspace(math.log(c.decay_init_min), math.log(c.decay_init_max), n)[torch.randperm(n)]
+        )
+        self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] fp32 in (g_min, 0)."""
+        c = self.config
+        B, T, _ = x.shape
+        z = self.g_up(self.g_down(x)).float().view(B, T, c.num_heads, c.head_dim)
+        return c.g_min * torch.sigmoid(z * self.A_log.float().exp()[:, None])
+
+    def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
+        c = self.config
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, K, V = c.num_heads, c.head_dim, c.v_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.conv_size > 0:
+            q, k, v = self.q_conv(q, cp_group), self.k_conv(k, cp_group), self.v_conv(v, cp_group)
+        q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps)
+        k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
+        v = F.silu(v).view(B, T, H, V)
+        g = self.gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        if cp_group is not None and _group_size(cp_group) > 1:
+            from kda_cp.parallel.cp import cp_chunk_kda
+
+            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend)
+        else:
+            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend)
+        o = self.o_norm(o) * torch.sigmoid(self.og_proj(x)).view(B, T, H, V)
+        return self.o_proj(o.reshape(B, T, H * V))
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)

@@ -1,0 +1,166 @@
+"""A small causal byte-level language model built from KDA layers, shardable along the sequence.
+
+    h_0 = Embed(x)
+    h_l = h_{l-1} + KDA(RMSNorm(h_{l-1}));   h_l = h_l + SwiGLU(RMSNorm(h_l))      (pre-norm blocks)
+    logits = Head(RMSNorm(h_N))                                                  (head tied or not)
+
+Every op is position-wise except the KDA layer's short convolution and recurrence, which are exact
+under context parallelism (:mod:`kda_cp.layers`). So rank r of a CP group can run the model on its
+contiguous shard of the tokens and get exactly its slice of the unsharded logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kda_cp.layers import KDAConfig, KDALayer, RMSNorm
+
+__all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU"]
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of :class:`KDALanguageModel`."""
+
+    vocab_size: int = 256
+    """Vocabulary size (256: raw bytes)."""
+    d_model: int = 192
+    """Residual width D."""
+    n_layers: int = 3
+    """Number of blocks (each: KDA token mixer + SwiGLU MLP)."""
+    num_heads: int = 4
+    """KDA heads per layer."""
+    head_dim: int = 48
+    """KDA key/query head dim K (value head dim V = K)."""
+    conv_size: int = 4
+    """Width of the causal short convolution on q, k, v (0 disables it)."""
+    g_min: float = -5.0
+    """Lower bound of the per-step log decay (K3 Eq. 17)."""
+    gate_rank: int | None = None
+    """Rank of the decay-gate projection; None means head_dim."""
+    mlp_hidden: int | None = None
+    """SwiGLU hidden width; None means 8/3 * d_model rounded up to a multiple of 64."""
+    tie_embeddings: bool = True
+    """Share the input embedding and the output head weights."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights (output projections scaled by 1/sqrt(2 n_layers))."""
+    chunk_size: int = 64
+    """Chunk length of the KDA op."""
+    backend: str = "auto"
+    """KDA op backend: "auto", "torch" or "tilelang"."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    def kda_config(self) -> KDAConfig:
+        return KDAConfig(
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            conv_size=self.conv_size,
+            gate_rank=self.gate_rank,
+            g_min=self.g_min,
+            chunk_size=self.chunk_size,
+            norm_eps=self.norm_eps,
+            backend=self.backend,
+        )
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return -(-(8 * self.d_model) // (3 * 64)) * 64
+
+
+class SwiGLU(nn.Module):
+    """y = W_down(SiLU(W_gate x) * W_up x): [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: KDA mixer, then SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = KDALayer(config.kda_config())
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.hidden)
+
+    def forward(self, h: torch.Tensor, cp_group=None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cp_group=cp_group)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class KDALanguageModel(nn.Module):
+    """Causal LM over bytes: embedding, ``n_layers`` KDA blocks, final RMSNorm, LM head.
+
+    Args:
+        config: a :class:`ModelConfig`.
+
+    Forward:
+        input_ids: [B, T] integer token ids in [0, vocab_size); under CP, this rank's contiguous
+            shard of each sequence (rank r of the group holds the r-th piece).
+        cp_group: the CP process group, or None / a group of size 1 for whole sequences. Collective
+            when sharded (every rank of the group runs forward and backward in the same order).
+        Returns logits: [B, T, vocab_size], fp32 when the weights are fp32.
+
+    Raises:
+        ValueError: input_ids not 2-D integer.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                if name.endswith("g_up"):  # the decay gate keeps its bias-driven init (KDALayer)
+                    nn.init.normal_(m.weight, std=std)
+                    continue
+                scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("o_proj", "down")) else 1.0
+                nn.init.normal_(m.weight, std=std * scale)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+
+    def forward(self, input_ids: torch.Tensor, cp_group=None) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
+            raise ValueError(
+                f"input_ids must be [B, T] integer, got shape {tuple(input_ids.shape)} dtype {input_ids.dtype}"
+            )
+        h = self.embed(input_ids.long())
+        for block in self.blocks:
+            h = block(h, cp_group=cp_group)
+        return self.head(self.norm(h))
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied head counted once)."""
+        return sum(p.numel() for p in self.parameters())
