@@ -1,0 +1,213 @@
+"""TileLang forward kernels for KDA (Kimi Delta Attention) on Hopper.
+
+Public API (wired into ``kda_cp.ops.chunk_kda`` by ops.py):
+
+    chunk_kda_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+                  chunk_size=64, g_min=-5.0) -> (o, final_state | None)
+    chunk_kda_summary(k, v, g, beta, *, chunk_size=64, g_min=-5.0) -> (M, S_tilde)
+    is_supported(q, k, v, g, beta, cu_seqlens=None) -> (bool, reason)
+
+Recurrence (DESIGN.md §1), per batch element / sequence and head, log decay g in natural log:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
+
+Stages (one file each): intra.py (gate cumsum + decayed K K^T / Q K^T + UT transform, chunk-parallel),
+state.py (state pass fused with the output; summary mode). Compiled kernels are cached per static
+configuration (K, V, chunk size, dtype, scale, flags); T, the number of chunks, the number of
+sequences and H are runtime values, so a new sequence length never recompiles.
+"""
+import torch
+
+from ._common import build_chunk_tables
+
+__all__ = ["chunk_kda_fwd", "chunk_kda_summary", "is_supported", "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def is_supported(q, k, v, g, beta, cu_seqlens=None):
+    """Whether the TileLang kernels cover these inputs.
+
+    Returns:
+        (True, "") or (False, reason). Covered: CUDA tensors on a Hopper GPU (sm_90), q/k/v in
+        bf16 or fp16 with K = V in {64, 128}, g fp32, beta fp32 or q's dtype, B == 1 when
+        cu_seqlens is given, tilelang importable.
+    """
+    try:
+        import tilelang  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the environment
+        return False, f"tilelang not importable: {e}"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda and g.is_cuda and beta.is_cuda):
+        return False, "inputs are not all CUDA tensors"
+    if not _hopper(q.device):
+        return False, f"GPU capability {torch.cuda.get_device_capability(q.device)} is not Hopper (9.x)"
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False, f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: need all bf16 or all fp16"
+    if g.dtype != torch.float32:
+        return False, f"g dtype {g.dtype}: need float32"
+    if beta.dtype not in (torch.float32, q.dtype):
+        return False, f"beta dtype {beta.dtype}: need float32 or {q.dtype}"
+    if q.dim() != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS or v.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dims q {tuple(q.shape)}, v {tuple(v.shape)}: need K, V in {SUPPORTED_HEAD_DIMS}"
+    if cu_seqlens is not None and q.shape[0] != 1:
+        return False, f"cu_seqlens needs B == 1, got q {tuple(q.shape)}"
+    return True, ""
+
+
+def _check(name, t, shape, dtypes):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
+
+
+def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1] if v.dim() == 4 else -1
+    _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES)
+    _check("k", k, (B, T, H, K), (q.dtype,))
+    _check("v", v, (B, T, H, V), (q.dtype,))
+    _check("g", g, (B, T, H, K), (torch.float32,))
+    _check("beta", beta, (B, T, H), (torch.float32, q.dtype))
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims K={K}, V={V} not in {SUPPORTED_HEAD_DIMS} (q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)})")
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    if not (-5.0 <= g_min < 0.0):
+        raise ValueError(f"g_min must lie in [-5, 0), got {g_min}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1, got q {tuple(q.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+    return B, T, H, K, V
+
+
+def _kernel_inputs(q, k, v, g, beta):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    b32 = beta if beta.dtype == torch.float32 else beta.float()  # [B, T, H]: small copy
+    return (q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g.view(B * T, H, K),
+            b32.view(B * T, H))
+
+
+def _tl_name(dtype):
+    return "bfloat16" if dtype == torch.bfloat16 else "float16"
+
+
+def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0):
+    """KDA forward with the TileLang chunk kernels.
+
+    Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale * S_t^T q_t, S_{-1} = initial_state (zero if None); chunked form of DESIGN.md §2.
+
+    Args:
+        q, k: [B, T, H, K] bf16 or fp16, contiguous. v: [B, T, H, V], same dtype.
+        g: [B, T, H, K] fp32, per-step log decay (natural log, not cumsummed), g in [g_min, 0].
+        beta: [B, T, H], fp32 or q's dtype (converted to fp32, a [B, T, H] copy).
+        scale: output scale (typically K ** -0.5); part of the compiled kernel's cache key.
+        initial_state: [N, H, K, V] fp32 or None; N = B, or the number of sequences with cu_seqlens.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: [N + 1] int32/int64 on q's device (FlashAttention convention) with B == 1;
+            each packed sequence starts from its own initial_state row. Read once on the host.
+        chunk_size: 64 (the only tuned value). g_min: the declared gate bound in [-5, 0); the
+            kernels rely on g >= -5 (16-token sub-chunks), they do not check it.
+    Returns:
+        o [B, T, H, V] in q's dtype, and final_state [N, H, K, V] fp32 or None.
+    Raises:
+        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes).
+    Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
+        fp16 for fp16 inputs) with fp32 accumulation. Relative RMS error vs an fp64 recurrence on
+        the same inputs is about 1e-3 for bf16.
+    """
+    from .intra import build_intra_kernel
+    from .state import build_state_output_kernel
+
+    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
+    dev = q.device
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    if T == 0 or N == 0:
+        if ht is not None:
+            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht
+    C = chunk_size
+    tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
+    NC = tables.num_chunks
+    dt = _tl_name(q.dtype)
+    qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+
+    W = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
+    U = torch.empty(NC, H, C, V, device=dev, dtype=q.dtype)
+    Qg = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
+    Kd = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
+    Aqk = torch.empty(NC, H, C, C, device=dev, dtype=q.dtype)
+    Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    intra = build_intra_kernel(None, K, V, C, dt, scale=float(scale))
+    intra(qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
+
+    state = build_state_output_kernel(None, K, V, C, dt, with_h0=initial_state is not None,
+                                      store_ht=output_final_state)
+    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
+    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)
+    state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
+    return o, ht
+
+
+def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
+    """The segment's affine map (DESIGN.md §3) in one fp32-accurate state pass.
+
+    Math: for each batch element b and head h, with M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)):
+        M       = M_{T-1} ... M_0                               (K x K, S_out = M S_in + S_tilde)
+        S_tilde = the state after token T-1 starting from S = 0  (K x V)
+    computed from the augmented state [0 | I] with pseudo-values [U | 0] (ends as [S_tilde | M]).
+
+    Args:
+        k: [B, T, H, K] bf16/fp16; v: [B, T, H, V] same dtype; g: [B, T, H, K] fp32 log decay per
+            step in [g_min, 0]; beta: [B, T, H] fp32 or k's dtype. All contiguous. No q: the
+            summary does not depend on it. No cu_seqlens: each batch row is one segment.
+        chunk_size: 64. g_min: declared gate bound in [-5, 0).
+    Returns:
+        (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
+    Raises:
+        ValueError on a shape, dtype, contiguity or option mismatch.
+    Numerics: cumsum, exponentials and the triangular solve in fp32 on CUDA cores; every GEMM is a
+        3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (~1e-6 relative per chunk).
+    """
+    from .intra import build_intra_summary_kernel
+    from .state import build_summary_kernel
+
+    B, T, H, K, V = _validate(k, k, v, g, beta, None, chunk_size, g_min)
+    dev = k.device
+    C = chunk_size
+    SM = torch.empty(B, H, K, V + K, device=dev, dtype=torch.float32)
+    if T == 0:
+        SM.zero_()
+        SM[..., V:] = torch.eye(K, device=dev)
+        return SM[..., V:].contiguous(), SM[..., :V].contiguous()
+    tables = build_chunk_tables(B, T, None, C, dev)
+    NC = tables.num_chunks
+    dt = _tl_name(k.dtype)
+    _, kf, vf, gf, bf = _kernel_inputs(k, k, v, g, beta)
+    W = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    U = torch.empty(NC, H, C, V, device=dev, dtype=torch.float32)
+    KdT = torch.empty(NC, H, K, C, device=dev, dtype=torch.float32)
+    Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    build_intra_summary_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, KdT, Ec)
+    build_summary_kernel(None, K, V, C)(W, U, KdT, Ec, tables.seq_table, SM)
+    return SM[..., V:].contiguous(), SM[..., :V].contiguous()

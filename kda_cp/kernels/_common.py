@@ -1,0 +1,109 @@
+"""Shared helpers for the TileLang KDA kernels: targets, dtype names, chunk tables.
+
+Nothing here launches a kernel. Kernels index tokens through a *chunk table* so that fixed-length
+batches and packed sequences (``cu_seqlens``) run through the same code:
+
+    table[c] = (bos_c, eos_c)   int32
+        bos_c: first token (row of the flattened [B*T] token axis) of chunk c
+        eos_c: one past the last token of the sequence that chunk c belongs to
+
+A chunk covers tokens [bos_c, min(bos_c + chunk_size, eos_c)); rows past eos_c are read as zero
+(k = q = v = 0, g = 0, beta = 0), which makes them inert in every stage. Chunks of one sequence are
+consecutive in the table; ``seq_chunks[n] = (first chunk, number of chunks, bos)`` describes sequence n.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SUB = 16  # sub-chunk length: exp(+-gamma) over 16 steps of g >= -5 stays below e^80
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def tl_dtype(dtype: torch.dtype | str) -> str:
+    """Map a torch dtype (or a TileLang dtype name) to the TileLang dtype name."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return _TORCH_TO_TL[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_TORCH_TO_TL)}") from None
+
+
+def compile_kernel(func, *, name: str):
+    """Compile a prim_func for Hopper (sm_90a). TileLang's disk cache (TILELANG_CACHE_DIR) applies."""
+    import tilelang
+
+    return tilelang.compile(func, target=TARGET, pass_configs=None)
+
+
+class ChunkTables(NamedTuple):
+    """Index tables on the device.
+
+    chunk_table: [NC, 2] int32, (bos, eos) per chunk (see module docstring).
+    seq_table:   [N, 4] int32, (first chunk, number of chunks, bos, eos) per sequence.
+    num_chunks:  NC (host int).
+    """
+
+    chunk_table: torch.Tensor
+    seq_table: torch.Tensor
+    num_chunks: int
+
+
+def build_chunk_tables(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device: torch.device
+) -> ChunkTables:
+    """Build the chunk and sequence tables for B sequences of length T, or for packed ``cu_seqlens``.
+
+    With ``cu_seqlens`` the lengths are read on the host (one device-to-host copy). Tables for
+    fixed-length batches depend only on (B, T, chunk_size, device) and are cached.
+    """
+    if cu_seqlens is None:
+        return _fixed_tables(B, T, chunk_size, str(device))
+    return _make_tables(B, T, cu_seqlens, chunk_size, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_tables(B: int, T: int, chunk_size: int, device: str) -> ChunkTables:
+    return _make_tables(B, T, None, chunk_size, torch.device(device))
+
+
+def _make_tables(B, T, cu_seqlens, chunk_size, device) -> ChunkTables:
+    if cu_seqlens is None:
+        starts = [b * T for b in range(B)]
+        lens = [T] * B
+    else:
+        cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()
+        starts = cu[:-1]
+        lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    chunks: list[tuple[int, int]] = []
+    seqs: list[tuple[int, int, int, int]] = []
+    for s, n in zip(starts, lens):
+        nc = (n + chunk_size - 1) // chunk_size
+        seqs.append((len(chunks), nc, s, s + n))
+        chunks.extend((s + i * chunk_size, s + n) for i in range(nc))
+    if not chunks:  # every sequence empty: keep a valid (never launched) shape
+        chunks = [(0, 0)]
+    ct = torch.tensor(chunks, dtype=torch.int32).to(device)
+    st = torch.tensor(seqs, dtype=torch.int32).to(device)
+    return ChunkTables(ct, st, len(chunks))
+
+
+def cache_dir_hint() -> str | None:
+    return os.environ.get("TILELANG_CACHE_DIR")
+
+
+def tf32_hi(x):
+    """The TF32 head of an fp32 TileLang expression: x with its low 13 mantissa bits cleared.
+
+    x = tf32_hi(x) + (x - tf32_hi(x)) exactly; the 3xTF32 product a b ~ a_hi b_hi + a_hi b_lo +
+    a_lo b_hi then carries about fp32 accuracy (relative error ~1e-6) on TF32 tensor cores.
+    """
+    import tilelang.language as T
+
+    return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32"), T.uint32(0xFFFFE000)), "float32")

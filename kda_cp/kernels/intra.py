@@ -1,0 +1,348 @@
+"""Chunk-local stage: gate cumsum, decayed K K^T and Q K^T, the UT transform (W, U).
+
+This one kernel fuses what DESIGN.md §2 lists as two stages (gate cumsum, intra-chunk UT) so the
+gates are read once. One thread block per (chunk, head); no state is involved, so all chunks run
+in parallel.
+
+Math (DESIGN.md §2, per chunk of C tokens, rows i, columns j, key channel d):
+
+    gamma_i   = sum_{s <= i} g_s                          chunk-local cumsum, natural log, fp32
+    Akk[i,j]  = sum_d k_i[d] k_j[d] exp(gamma_i[d] - gamma_j[d])            (j < i)
+    Aqk[i,j]  = scale * sum_d q_i[d] k_j[d] exp(gamma_i[d] - gamma_j[d])    (j <= i)
+    Tinv      = (I + Diag(beta) StrictTril(Akk))^-1                         fp32, blocked solve
+    W         = Tinv Diag(beta) (k * exp(gamma)),   U = Tinv Diag(beta) v
+    Qg        = scale * q * exp(gamma),   Kd = k * exp(gamma_last - gamma),   eC = exp(gamma_last)
+
+The exponent exp(gamma_i - gamma_j) is split over a reference r_I = gamma at the last position
+before sub-chunk I (16 tokens; r_0 = 0), where I is the sub-chunk of row i:
+
+    exp(gamma_i - gamma_j) = exp(gamma_i - r_I) * exp(r_I - gamma_j)
+
+The reference is never in the future of row i or of column j <= i. The first factor is <= 1; the
+second is <= 1 for j before sub-chunk I and <= exp(80) inside it (16 steps of g >= -5), so both fit
+bf16/fp32 and the split costs one GEMM per sub-chunk row block. Rows past the end of a sequence are
+loaded as zeros (g = 0, beta = 0) and never contribute.
+
+Numerics: cumsum, exponentials and the triangular solve in fp32. The Akk/Aqk GEMMs take bf16
+operands (the e^80 factor does not fit fp16) with fp32 accumulation; the W/U GEMMs take the input
+dtype. Outputs W, U, Qg, Kd, Aqk are stored in the input dtype, eC in fp32.
+"""
+
+import functools
+
+import tilelang.language as T
+
+from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
+
+
+def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
+    C = chunk_size
+    BS = SUB
+    NSUB = C // BS
+    SUBS = tuple(range(NSUB))  # a Python tuple: loops over it unroll at trace time
+    # rows of the compact buffer holding k_j * exp(r_I - gamma_j) for j < BS*(I+1), per I
+    # (rounded up to a multiple of 32 so the M=16 GEMM splits evenly over 4 warps)
+    km_rows = [-(-BS * (I + 1) // 32) * 32 for I in range(NSUB)]
+    km_off = [sum(km_rows[:I]) for I in range(NSUB)]
+    KM = sum(km_rows)
+    op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
+    f32 = accum_dtype
+    LOG2E = 1.4426950408889634
+
+    Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_intra_fwd(
+        Q: T.Tensor([TT, Hn, K], dtype),
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        Vx: T.Tensor([TT, Hn, V], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Beta: T.Tensor([TT, Hn], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        W_out: T.Tensor([NC, Hn, C, K], dtype),
+        U_out: T.Tensor([NC, Hn, C, V], dtype),
+        Qg_out: T.Tensor([NC, Hn, C, K], dtype),
+        Kd_out: T.Tensor([NC, Hn, C, K], dtype),
+        Aqk_out: T.Tensor([NC, Hn, C, C], dtype),
+        Ec_out: T.Tensor([NC, Hn, K], f32),
+    ):
+        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            gam_s = T.alloc_shared([C, K], f32)
+            k_s = T.alloc_shared([C, K], dtype)
+            kp_s = T.alloc_shared([C, K], op)  # k_i exp(gamma_i - r_I); later beta k exp(gamma)
+            qp_s = T.alloc_shared([C, K], op)  # scale q_i exp(gamma_i - r_I)
+            km_s = T.alloc_shared([KM, K], op)
+            beta_s = T.alloc_shared([C], f32)
+            L_s = T.alloc_shared([C, C], f32)
+            Ti_s = T.alloc_shared([C, C], f32)
+            tmp_s = T.alloc_shared([BS, C], f32)
+            Ti_c = T.alloc_shared([C, C], dtype)
+            kb_s = T.alloc_shared([C, K], dtype)
+            vb_s = T.alloc_shared([C, V], dtype)
+
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+
+            # ---- load (rows past the sequence end read as zero) and chunk-local cumsum ----
+            for i, d in T.Parallel(C, K):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+            for i in T.Parallel(C):
+                beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+            T.cumsum(src=gam_s, dim=0)
+
+            # ---- row factors: exp(gamma_i - r_I), r_I = gamma[BS*I - 1] (0 for I = 0) ----
+            for i, d in T.Parallel(C, K):
+                ref = T.if_then_else(i >= BS, gam_s[T.max(i // BS * BS - 1, 0), d], T.float32(0))
+                e = T.exp2((gam_s[i, d] - ref) * LOG2E)
+                kp_s[i, d] = T.cast(T.cast(k_s[i, d], f32) * e, op)
+                qv = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
+                qp_s[i, d] = T.cast(T.cast(qv, f32) * (e * scale), op)
+            # ---- column factors per row block I: k_j exp(r_I - gamma_j), zero for j >= BS*(I+1) ----
+            for I in SUBS:
+                for j, d in T.Parallel(km_rows[I], K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    km_s[km_off[I] + j, d] = T.if_then_else(
+                        j < BS * (I + 1),
+                        T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), op),
+                        T.cast(0, op),
+                    )
+
+            # ---- Akk, Aqk: one [16, n] GEMM pair per row block ----
+            for I in SUBS:
+                n = km_rows[I]
+                akk_f = T.alloc_fragment([BS, n], f32)
+                aqk_f = T.alloc_fragment([BS, n], f32)
+                T.gemm(kp_s[BS * I : BS * I + BS, :], km_s[km_off[I] : km_off[I] + n, :], akk_f,
+                       transpose_B=True, clear_accum=True)
+                T.gemm(qp_s[BS * I : BS * I + BS, :], km_s[km_off[I] : km_off[I] + n, :], aqk_f,
+                       transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(BS, n):
+                    L_s[BS * I + r, j] = T.if_then_else(
+                        j < BS * I + r, beta_s[BS * I + r] * akk_f[r, j], T.float32(0))
+                for r, j in T.Parallel(BS, n):
+                    aqk_f[r, j] = T.if_then_else(j <= BS * I + r, aqk_f[r, j], T.float32(0))
+                T.copy(aqk_f, Aqk_out[ic, ih, BS * I : BS * I + BS, 0:n])
+                if n < C:
+                    for r, j in T.Parallel(BS, C - n):
+                        Aqk_out[ic, ih, BS * I + r, n + j] = T.cast(0, dtype)
+                        L_s[BS * I + r, n + j] = T.float32(0)
+
+            # ---- Tinv = (I + L)^-1, fp32: diagonal 16x16 blocks by forward substitution ----
+            for i, j in T.Parallel(C, C):
+                Ti_s[i, j] = T.float32(0)
+            for I, c in T.Parallel(NSUB, BS):
+                for r in T.serial(BS):
+                    Ti_s[BS * I + r, BS * I + c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                    for j in T.serial(r):
+                        Ti_s[BS * I + r, BS * I + c] -= (
+                            L_s[BS * I + r, BS * I + j] * Ti_s[BS * I + j, BS * I + c])
+            # ---- block rows I >= 1: Tinv[I, :I] = -Tinv[I,I] (L[I, :I] Tinv[:I, :I]) ----
+            for I in SUBS[1:]:
+                for r, c in T.Parallel(BS, BS * I):
+                    tmp_s[r, c] = T.float32(0)
+                    for j in T.serial(BS * I):
+                        tmp_s[r, c] -= L_s[BS * I + r, j] * Ti_s[j, c]
+                for r, c in T.Parallel(BS, BS * I):
+                    for j in T.serial(BS):
+                        Ti_s[BS * I + r, c] += Ti_s[BS * I + r, BS * I + j] * tmp_s[j, c]
+
+            # ---- W = Tinv (beta k e^gamma), U = Tinv (beta v) ----
+            T.copy(Ti_s, Ti_c)
+            for i, d in T.Parallel(C, K):
+                kb_s[i, d] = T.cast(
+                    beta_s[i] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E), dtype)
+            for i, d in T.Parallel(C, V):
+                vv = T.if_then_else(bos + i < eos, Vx[bos + i, ih, d], T.cast(0, dtype))
+                vb_s[i, d] = T.cast(beta_s[i] * T.cast(vv, f32), dtype)
+            w_f = T.alloc_fragment([C, K], f32)
+            u_f = T.alloc_fragment([C, V], f32)
+            T.gemm(Ti_c, kb_s, w_f, clear_accum=True)
+            T.copy(w_f, W_out[ic, ih, :, :])
+            T.gemm(Ti_c, vb_s, u_f, clear_accum=True)
+            T.copy(u_f, U_out[ic, ih, :, :])
+
+            # ---- Qg, Kd, eC ----
+            for i, d in T.Parallel(C, K):
+                qv = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
+                Qg_out[ic, ih, i, d] = T.cast(
+                    T.cast(qv, f32) * scale * T.exp2(gam_s[i, d] * LOG2E), dtype)
+                Kd_out[ic, ih, i, d] = T.cast(
+                    T.cast(k_s[i, d], f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E), dtype)
+            for d in T.Parallel(K):
+                Ec_out[ic, ih, d] = T.exp2(gam_s[C - 1, d] * LOG2E)
+
+    return kda_intra_fwd
+
+
+def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
+    """fp32-accurate variant for the summary pass: W, U, Kd^T in fp32, GEMMs as 3xTF32."""
+    C = chunk_size
+    BS = SUB
+    NSUB = C // BS
+    SUBS = tuple(range(NSUB))
+    km_rows = [-(-BS * (I + 1) // 32) * 32 for I in range(NSUB)]
+    KMR = max(km_rows)
+    f32 = accum_dtype
+    LOG2E = 1.4426950408889634
+
+    Hn = T.dynamic("H") if H is None else H
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_intra_summary(
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        Vx: T.Tensor([TT, Hn, V], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Beta: T.Tensor([TT, Hn], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        W_out: T.Tensor([NC, Hn, C, K], f32),
+        U_out: T.Tensor([NC, Hn, C, V], f32),
+        KdT_out: T.Tensor([NC, Hn, K, C], f32),
+        Ec_out: T.Tensor([NC, Hn, K], f32),
+    ):
+        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            gam_s = T.alloc_shared([C, K], f32)
+            k_s = T.alloc_shared([C, K], dtype)
+            beta_s = T.alloc_shared([C], f32)
+            kph_s = T.alloc_shared([BS, K], f32)
+            kpl_s = T.alloc_shared([BS, K], f32)
+            kmh_s = T.alloc_shared([KMR, K], f32)
+            kml_s = T.alloc_shared([KMR, K], f32)
+            L_s = T.alloc_shared([C, C], f32)
+            Ti_s = T.alloc_shared([C, C], f32)
+            tmp_s = T.alloc_shared([BS, C], f32)
+            tih_s = T.alloc_shared([C, C], f32)
+            til_s = T.alloc_shared([C, C], f32)
+            rh_s = T.alloc_shared([K, C], f32)  # right-hand side, transposed (K-major for TF32)
+            rl_s = T.alloc_shared([K, C], f32)
+
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+            for i, d in T.Parallel(C, K):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+            for i in T.Parallel(C):
+                beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+            T.cumsum(src=gam_s, dim=0)
+
+            # ---- L = Diag(beta) StrictTril(Akk), one 3xTF32 GEMM triple per row block ----
+            for I in SUBS:
+                n = km_rows[I]
+                for r, d in T.Parallel(BS, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    x = T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E)
+                    kph_s[r, d] = tf32_hi(x)
+                    kpl_s[r, d] = x - tf32_hi(x)
+                for j, d in T.Parallel(n, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    x = T.if_then_else(
+                        j < BS * (I + 1),
+                        T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), T.float32(0))
+                    kmh_s[j, d] = tf32_hi(x)
+                    kml_s[j, d] = x - tf32_hi(x)
+                akk_f = T.alloc_fragment([BS, n], f32)
+                T.gemm(kph_s, kmh_s[0:n, :], akk_f, transpose_B=True, clear_accum=True)
+                T.gemm(kph_s, kml_s[0:n, :], akk_f, transpose_B=True)
+                T.gemm(kpl_s, kmh_s[0:n, :], akk_f, transpose_B=True)
+                for r, j in T.Parallel(BS, n):
+                    L_s[BS * I + r, j] = T.if_then_else(
+                        j < BS * I + r, beta_s[BS * I + r] * akk_f[r, j], T.float32(0))
+                if n < C:
+                    for r, j in T.Parallel(BS, C - n):
+                        L_s[BS * I + r, n + j] = T.float32(0)
+
+            # ---- Tinv = (I + L)^-1 in fp32 (same blocked solve as the forward) ----
+            for i, j in T.Parallel(C, C):
+                Ti_s[i, j] = T.float32(0)
+            for I, c in T.Parallel(NSUB, BS):
+                for r in T.serial(BS):
+                    Ti_s[BS * I + r, BS * I + c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                    for j in T.serial(r):
+                        Ti_s[BS * I + r, BS * I + c] -= (
+                            L_s[BS * I + r, BS * I + j] * Ti_s[BS * I + j, BS * I + c])
+            for I in SUBS[1:]:
+                for r, c in T.Parallel(BS, BS * I):
+                    tmp_s[r, c] = T.float32(0)
+                    for j in T.serial(BS * I):
+                        tmp_s[r, c] -= L_s[BS * I + r, j] * Ti_s[j, c]
+                for r, c in T.Parallel(BS, BS * I):
+                    for j in T.serial(BS):
+                        Ti_s[BS * I + r, c] += Ti_s[BS * I + r, BS * I + j] * tmp_s[j, c]
+            for i, j in T.Parallel(C, C):
+                tih_s[i, j] = tf32_hi(Ti_s[i, j])
+                til_s[i, j] = Ti_s[i, j] - tf32_hi(Ti_s[i, j])
+
+            # ---- W = Tinv (beta k e^gamma) ----
+            for d, i in T.Parallel(K, C):
+                x = beta_s[i] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E)
+                rh_s[d, i] = tf32_hi(x)
+                rl_s[d, i] = x - tf32_hi(x)
+            w_f = T.alloc_fragment([C, K], f32)
+            T.gemm(tih_s, rh_s, w_f, transpose_B=True, clear_accum=True)
+            T.gemm(tih_s, rl_s, w_f, transpose_B=True)
+            T.gemm(til_s, rh_s, w_f, transpose_B=True)
+            T.copy(w_f, W_out[ic, ih, :, :])
+            # ---- U = Tinv (beta v) ----
+            for d, i in T.Parallel(V, C):
+                vv = T.if_then_else(bos + i < eos, Vx[bos + i, ih, d], T.cast(0, dtype))
+                x = beta_s[i] * T.cast(vv, f32)
+                rh_s[d, i] = tf32_hi(x)
+                rl_s[d, i] = x - tf32_hi(x)
+            u_f = T.alloc_fragment([C, V], f32)
+            T.gemm(tih_s, rh_s, u_f, transpose_B=True, clear_accum=True)
+            T.gemm(tih_s, rl_s, u_f, transpose_B=True)
+            T.gemm(til_s, rh_s, u_f, transpose_B=True)
+            T.copy(u_f, U_out[ic, ih, :, :])
+            # ---- Kd^T, eC ----
+            for d, i in T.Parallel(K, C):
+                KdT_out[ic, ih, d, i] = (
+                    T.cast(k_s[i, d], f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E))
+            for d in T.Parallel(K):
+                Ec_out[ic, ih, d] = T.exp2(gam_s[C - 1, d] * LOG2E)
+
+    return kda_intra_summary
+
+
+@functools.lru_cache(maxsize=None)
+def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
+                               block_k=None, block_v=None, threads=128, num_stages=1):
+    """Compile the fp32-accurate chunk-local kernel used by the summary pass (T dynamic).
+
+    Same math as :func:`build_intra_kernel` without the Q terms; every GEMM is 3xTF32 and the
+    outputs are fp32: kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
+    W[NC,H,C,K] f32, U[NC,H,C,V] f32, KdT[NC,H,K,C] f32, eC[NC,H,K] f32).
+    """
+    if chunk_size % SUB or accum_dtype != "float32":
+        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
+                         f"{chunk_size}, {accum_dtype}")
+    func = _intra_summary_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads)
+    return compile_kernel(func, name="kda_intra_summary")
+
+
+@functools.lru_cache(maxsize=None)
+def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, scale,
+                       block_k=None, block_v=None, threads=128, num_stages=1):
+    """Compile the chunk-local kernel for one static configuration (T is dynamic).
+
+    Args:
+        H: heads; None (the default use) makes it a runtime value like T, an int specialises.
+        K, V: key dim, value dim (static).
+        chunk_size: C, a multiple of 16 (64 is the tuned value).
+        dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
+        scale: the output scale folded into Qg and Aqk (static; part of the cache key).
+        block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
+            common factory signature.
+    Returns:
+        a compiled kernel taking (q[TT,H,K], k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32,
+        table[NC,2] i32, W[NC,H,C,K], U[NC,H,C,V], Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C],
+        eC[NC,H,K] f32); the last six are written.
+    """
+    if chunk_size % SUB or accum_dtype != "float32":
+        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
+                         f"{chunk_size}, {accum_dtype}")
+    func = _intra_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads)
+    return compile_kernel(func, name="kda_intra_fwd")

@@ -1,0 +1,218 @@
+"""State pass, fused with the output (forward).
+
+One thread block per (sequence, head, block of block_v value columns) walks the chunks of its
+sequence in order, carrying the state S (K x block_v, fp32, in registers). Per chunk, with the
+chunk-local tensors from intra.py:
+
+    V'  = U - W S                     pseudo-values              (C x block_v)
+    O   = Qg S + Aqk V'               output rows of the chunk   (scale already folded in)
+    S  <- Diag(eC) S + Kd^T V'        state entering the next chunk
+
+The output stage of DESIGN.md §2 is fused here: O needs the same S and V' that the state pass
+already holds, so fusing saves writing and re-reading the per-chunk states and V'.
+
+Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
+pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
+independent, so each block owns block_v columns of either the S~ part or the M part. Every product
+there is a 3xTF32 GEMM on fp32 inputs from intra.build_intra_summary_kernel: M stays fp32-accurate.
+
+Numerics: S is kept in fp32 across chunks; the GEMMs read a copy of S rounded to the input dtype
+(as the peers do) and accumulate in fp32. Rows past the sequence end are not written.
+"""
+import functools
+
+import tilelang.language as T
+
+from ._common import compile_kernel, tf32_hi, tl_dtype
+
+
+def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, with_h0, store_ht):
+    Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+    N = T.dynamic("N")
+    BV = block_v
+
+    @T.prim_func
+    def kda_state_output_fwd(
+        W: T.Tensor([NC, Hn, C, K], dtype),
+        U: T.Tensor([NC, Hn, C, V], dtype),
+        Qg: T.Tensor([NC, Hn, C, K], dtype),
+        Kd: T.Tensor([NC, Hn, C, K], dtype),
+        Aqk: T.Tensor([NC, Hn, C, C], dtype),
+        Ec: T.Tensor([NC, Hn, K], f32),
+        Seq: T.Tensor([N, 4], "int32"),
+        H0: T.Tensor([N, Hn, K, V], f32),
+        O: T.Tensor([TT, Hn, V], dtype),
+        HT: T.Tensor([N, Hn, K, V], f32),
+    ):
+        with T.Kernel(V // BV, N * Hn, threads=threads) as (iv, inh):
+            n = inh // Hn
+            ih = inh % Hn
+            c0 = Seq[n, 0]
+            nc = Seq[n, 1]
+            bos = Seq[n, 2]
+            eos = Seq[n, 3]
+
+            w_s = T.alloc_shared([C, K], dtype)
+            qg_s = T.alloc_shared([C, K], dtype)
+            kd_s = T.alloc_shared([C, K], dtype)
+            aqk_s = T.alloc_shared([C, C], dtype)
+            u_s = T.alloc_shared([C, BV], dtype)
+            ec_s = T.alloc_shared([K], f32)
+            S_s = T.alloc_shared([K, BV], dtype)
+            vn_s = T.alloc_shared([C, BV], dtype)
+            S_f = T.alloc_fragment([K, BV], f32)
+            vn_f = T.alloc_fragment([C, BV], f32)
+            o_f = T.alloc_fragment([C, BV], f32)
+
+            if with_h0:
+                T.copy(H0[n, ih, :, iv * BV : (iv + 1) * BV], S_f)
+            else:
+                T.clear(S_f)
+
+            for c in T.Pipelined(nc, num_stages=num_stages):
+                ci = c0 + c
+                T.copy(W[ci, ih, :, :], w_s)
+                T.copy(U[ci, ih, :, iv * BV : (iv + 1) * BV], u_s)
+                T.copy(Qg[ci, ih, :, :], qg_s)
+                T.copy(Kd[ci, ih, :, :], kd_s)
+                T.copy(Aqk[ci, ih, :, :], aqk_s)
+                T.copy(Ec[ci, ih, :], ec_s)
+                T.copy(S_f, S_s)
+                # V' = U - W S
+                T.gemm(w_s, S_s, vn_f, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = T.cast(u_s[i, j], f32) - vn_f[i, j]
+                T.copy(vn_f, vn_s)
+                # O = Qg S + Aqk V'
+                T.gemm(qg_s, S_s, o_f, clear_accum=True)
+                T.gemm(aqk_s, vn_s, o_f)
+                for i, j in T.Parallel(C, BV):
+                    if bos + c * C + i < eos:
+                        O[bos + c * C + i, ih, iv * BV + j] = T.cast(o_f[i, j], dtype)
+                # S <- Diag(eC) S + Kd^T V'
+                for d, j in T.Parallel(K, BV):
+                    S_f[d, j] = S_f[d, j] * ec_s[d]
+                T.gemm(kd_s, vn_s, S_f, transpose_A=True)
+
+            if store_ht:
+                T.copy(S_f, HT[n, ih, :, iv * BV : (iv + 1) * BV])
+
+    return kda_state_output_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, with_h0,
+                              store_ht, block_k=None, block_v=32, threads=128, num_stages=2):
+    """Compile the fused state + output kernel for one static configuration (T, N dynamic).
+
+    Args:
+        H: heads; None makes it a runtime value like T and N, an int specialises.
+        K, V, chunk_size: static sizes; V % block_v == 0.
+        dtype: the q/k/v dtype name; accum_dtype must be "float32".
+        with_h0: read the initial state H0 [N, H, K, V] fp32 (else start from zero).
+        store_ht: write the final state HT [N, H, K, V] fp32.
+        block_v: value columns per thread block; threads, num_stages: launch knobs.
+    Returns:
+        kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written.
+    """
+    if V % block_v or accum_dtype != "float32":
+        raise ValueError(f"V={V} must be a multiple of block_v={block_v}; accum_dtype float32")
+    func = _state_output_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
+                              num_stages, bool(with_h0), bool(store_ht))
+    return compile_kernel(func, name="kda_state_output_fwd")
+
+
+def _summary_func(H, K, V, C, f32, block_v, threads):
+    NC = T.dynamic("NC")
+    N = T.dynamic("N")
+    Hn = T.dynamic("H") if H is None else H
+    BV = block_v
+    VA = V + K
+
+    @T.prim_func
+    def kda_state_summary(
+        W: T.Tensor([NC, Hn, C, K], f32),
+        U: T.Tensor([NC, Hn, C, V], f32),
+        KdT: T.Tensor([NC, Hn, K, C], f32),
+        Ec: T.Tensor([NC, Hn, K], f32),
+        Seq: T.Tensor([N, 4], "int32"),
+        SM: T.Tensor([N, Hn, K, VA], f32),
+    ):
+        with T.Kernel(VA // BV, N * Hn, threads=threads) as (iv, inh):
+            n = inh // Hn
+            ih = inh % Hn
+            c0 = Seq[n, 0]
+            nc = Seq[n, 1]
+            col0 = iv * BV  # first augmented column of this block
+            is_m = col0 >= V  # this block carries columns of M (else of S~)
+
+            wh_s = T.alloc_shared([C, K], f32)
+            wl_s = T.alloc_shared([C, K], f32)
+            kh_s = T.alloc_shared([K, C], f32)
+            kl_s = T.alloc_shared([K, C], f32)
+            u_s = T.alloc_shared([C, BV], f32)
+            ec_s = T.alloc_shared([K], f32)
+            sh_s = T.alloc_shared([BV, K], f32)  # S^T split (K-major operand)
+            sl_s = T.alloc_shared([BV, K], f32)
+            vh_s = T.alloc_shared([BV, C], f32)  # V'^T split
+            vl_s = T.alloc_shared([BV, C], f32)
+            S_f = T.alloc_fragment([K, BV], f32)
+            vn_f = T.alloc_fragment([C, BV], f32)
+
+            for d, j in T.Parallel(K, BV):
+                S_f[d, j] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
+
+            for c in T.serial(nc):
+                ci = c0 + c
+                for i, d in T.Parallel(C, K):
+                    wh_s[i, d] = tf32_hi(W[ci, ih, i, d])
+                    wl_s[i, d] = W[ci, ih, i, d] - tf32_hi(W[ci, ih, i, d])
+                for d, i in T.Parallel(K, C):
+                    kh_s[d, i] = tf32_hi(KdT[ci, ih, d, i])
+                    kl_s[d, i] = KdT[ci, ih, d, i] - tf32_hi(KdT[ci, ih, d, i])
+                for i, j in T.Parallel(C, BV):
+                    u_s[i, j] = T.if_then_else(is_m, T.float32(0), U[ci, ih, i, T.min(col0 + j, V - 1)])
+                for d in T.Parallel(K):
+                    ec_s[d] = Ec[ci, ih, d]
+                for d, j in T.Parallel(K, BV):
+                    sh_s[j, d] = tf32_hi(S_f[d, j])
+                    sl_s[j, d] = S_f[d, j] - tf32_hi(S_f[d, j])
+                # V' = U - W S
+                T.gemm(wh_s, sh_s, vn_f, transpose_B=True, clear_accum=True)
+                T.gemm(wh_s, sl_s, vn_f, transpose_B=True)
+                T.gemm(wl_s, sh_s, vn_f, transpose_B=True)
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = u_s[i, j] - vn_f[i, j]
+                for i, j in T.Parallel(C, BV):
+                    vh_s[j, i] = tf32_hi(vn_f[i, j])
+                    vl_s[j, i] = vn_f[i, j] - tf32_hi(vn_f[i, j])
+                # S <- Diag(eC) S + Kd^T V'
+                for d, j in T.Parallel(K, BV):
+                    S_f[d, j] = S_f[d, j] * ec_s[d]
+                T.gemm(kh_s, vh_s, S_f, transpose_B=True)
+                T.gemm(kh_s, vl_s, S_f, transpose_B=True)
+                T.gemm(kl_s, vh_s, S_f, transpose_B=True)
+
+            T.copy(S_f, SM[n, ih, :, col0 : col0 + BV])
+
+    return kda_state_summary
+
+
+@functools.lru_cache(maxsize=None)
+def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *,
+                         block_k=None, block_v=32, threads=128, num_stages=1):
+    """Compile the summary-mode state pass (N, number of chunks and H dynamic).
+
+    Args:
+        H: None (runtime) or an int; K, V, chunk_size static; V and K multiples of block_v.
+        dtype, accum_dtype: "float32" (the inputs come from the fp32 summary intra kernel).
+    Returns:
+        kernel(W[NC,H,C,K], U[NC,H,C,V], KdT[NC,H,K,C], Ec[NC,H,K], Seq[N,4] i32,
+        SM[N,H,K,V+K]) writing SM = [S~ | M], all fp32.
+    """
+    if V % block_v or K % block_v or accum_dtype != "float32" or dtype != "float32":
+        raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; fp32 only")
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads)
+    return compile_kernel(func, name="kda_state_summary")
