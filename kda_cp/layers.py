@@ -86,7 +86,7 @@ class KDAConfig:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, computed in fp32.
+    """RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (fp64 for fp64).
 
     Args:
         dim: size of the last dim.
@@ -99,9 +99,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(cdt)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(cdt)).to(x.dtype)
 
 
 class ShortConv(nn.Module):
@@ -175,11 +176,15 @@ class KDALayer(nn.Module):
         self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] fp32 in (g_min, 0)."""
+        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] in (g_min, 0).
+
+        Computed and returned in fp32 (fp64 when x is fp64).
+        """
         c = self.config
         B, T, _ = x.shape
-        z = self.g_up(self.g_down(x)).float().view(B, T, c.num_heads, c.head_dim)
-        return c.g_min * torch.sigmoid(z * self.A_log.float().exp()[:, None])
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        z = self.g_up(self.g_down(x)).to(cdt).view(B, T, c.num_heads, c.head_dim)
+        return c.g_min * torch.sigmoid(z * self.A_log.to(cdt).exp()[:, None])
 
     def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
         c = self.config
@@ -194,7 +199,7 @@ class KDALayer(nn.Module):
         k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
         v = F.silu(v).view(B, T, H, V)
         g = self.gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        beta = torch.sigmoid(self.b_proj(x))
         if cp_group is not None and _group_size(cp_group) > 1:
             from kda_cp.parallel.cp import cp_chunk_kda
 

@@ -1,0 +1,132 @@
+"""KDA layer and LM: shapes, gate bounds, input checks, and exactness under CP over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cp.layers import KDAConfig, KDALayer
+from kda_cp.model import KDALanguageModel, ModelConfig
+
+from _dist import run_ranks
+
+CFG = dict(d_model=32, num_heads=2, head_dim=16, chunk_size=16)
+
+
+def _perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """fp64 copy with every parameter moved off its init (norm weights != 1, A_log != 0, ...)."""
+    gen = torch.Generator().manual_seed(seed)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return module
+
+
+def test_layer_shapes_and_gate():
+    layer = KDALayer(KDAConfig(**CFG))
+    x = torch.randn(3, 37, 32)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
+    g = layer.gate(x)
+    assert g.shape == (3, 37, 2, 16) and g.dtype == torch.float32
+    assert (g < 0).all() and (g > -5).all()
+    assert g.std(dim=-1).min() > 0  # per-channel, not one scalar per head
+    y.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_layer_is_causal():
+    torch.manual_seed(0)
+    layer = _perturbed(KDALayer(KDAConfig(**CFG)), 1)
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    y = layer(x)
+    x2 = x.clone()
+    x2[:, 25:] = torch.randn(2, 15, 32, dtype=torch.float64)
+    y2 = layer(x2)
+    torch.testing.assert_close(y2[:, :25], y[:, :25], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(y2[:, 25:], y[:, 25:])
+
+
+def test_layer_bad_input():
+    layer = KDALayer(KDAConfig(**CFG))
+    with pytest.raises(ValueError, match=r"\[B, T, d_model\]"):
+        layer(torch.randn(2, 10, 31))
+    with pytest.raises(ValueError, match="g_min"):
+        KDAConfig(g_min=-6.0)
+    with pytest.raises(ValueError, match="input_ids"):
+        KDALanguageModel(ModelConfig(d_model=32, n_layers=1, num_heads=2, head_dim=16))(torch.randn(2, 5))
+
+
+def test_model_shapes():
+    model = KDALanguageModel(ModelConfig(d_model=32, n_layers=2, num_heads=2, head_dim=16, chunk_size=16))
+    logits = model(torch.randint(0, 256, (2, 21)))
+    assert logits.shape == (2, 21, 256)
+    assert model.head.weight is model.embed.weight
+    untied = KDALanguageModel(ModelConfig(d_model=32, n_layers=1, num_heads=2, head_dim=16, tie_embeddings=False))
+    assert untied.head.weight is not untied.embed.weight
+
+
+def _layer_body(rank, world_size, state, x, dy, lengths):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layer = KDALayer(KDAConfig(**CFG)).double()
+    layer.load_state_dict(state)
+    start = sum(lengths[:rank])
+    sl = slice(start, start + lengths[rank])
+    x_r = x[:, sl].clone().requires_grad_(True)
+    y_r = layer(x_r, cp_group=dist.group.WORLD)
+    (y_r * dy[:, sl]).sum().backward()
+    return {"y": y_r.detach(), "dx": x_r.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("lengths", [[29, 21], [10, 25, 15]], ids=["p2-uneven", "p3-uneven"])
+def test_layer_cp_matches_unsharded(lengths):
+    torch.manual_seed(0)
+    layer = _perturbed(KDALayer(KDAConfig(**CFG)), 7)
+    T = sum(lengths)
+    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, T, 32, dtype=torch.float64)
+    y = layer(x)
+    (y * dy).sum().backward()
+    state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+
+    res = run_ranks(_layer_body, len(lengths), state, x.detach(), dy, lengths)
+    torch.testing.assert_close(torch.cat([r["y"] for r in res], 1), y.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat([r["dx"] for r in res], 1), x.grad, rtol=1e-10, atol=1e-10)
+    for name, p in layer.named_parameters():
+        got = sum(r["grads"][name] for r in res)
+        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+MODEL_CFG = dict(d_model=32, n_layers=2, num_heads=2, head_dim=16, chunk_size=16)
+
+
+def _model_body(rank, world_size, state, ids, dlogits):
+    import torch.distributed as dist
+
+    from kda_cp.parallel.sharding import shard_sequence
+
+    model = KDALanguageModel(ModelConfig(**MODEL_CFG)).double()
+    model.load_state_dict(state)
+    group = dist.group.WORLD
+    logits = model(shard_sequence(ids, group), cp_group=group)
+    (logits * shard_sequence(dlogits, group)).sum().backward()
+    return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def test_model_cp2_matches_unsharded():
+    torch.manual_seed(0)
+    model = _perturbed(KDALanguageModel(ModelConfig(**MODEL_CFG)), 3)
+    ids = torch.randint(0, 256, (2, 45))
+    dlogits = torch.randn(2, 45, 256, dtype=torch.float64)
+    logits = model(ids)
+    (logits * dlogits).sum().backward()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    res = run_ranks(_model_body, 2, state, ids, dlogits)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in res], 1), logits.detach(), rtol=1e-10, atol=1e-10)
+    for name, p in model.named_parameters():
+        got = sum(r["grads"][name] for r in res)
+        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
