@@ -1,87 +1,197 @@
 """Context-parallel KDA: exact chunk_kda over a sequence sharded across the ranks of a group.
 
-Forward on rank r (DESIGN.md §3; Kimi K3 report, CP by affine prefix scan):
-  1. summarize the shard from a zero state: (M_r, S~_r) with S_out = M_r S_in + S~_r;
-  2. all-gather the pairs; exclusive scan gives S_in^r = (pair_{r-1} o ... o pair_0)(S_0);
-  3. the ordinary chunk forward from S_in^r gives this shard's o.
-Backward on rank r, with D_r = dL/dS_out^r:
-  1. G_r = dh0 of the shard's outputs alone (dht = 0);
-  2. all-gather G; D_r = reverse exclusive scan of x -> M_j^T x + G_j over j > r, started at the
-     gradient of the global final state;
-  3. the ordinary chunk backward from S_in^r with dht = D_r gives exact dq, dk, dv, dg, dbeta.
+Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
+  1. summarize the shard's last segment: (M, S~) with S_out = M S_in + S~. When that segment
+     starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~);
+  2. exchange the pairs (all-gather + local scan, or a log-depth scan over point-to-point
+     sends); the exclusive prefix gives the state entering the shard's first token;
+  3. the ordinary chunk forward of the shard's segments from their true incoming states.
+Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the shard):
+  1. G_r = gradient of the shard's incoming state from its own outputs (and the final states
+     of sequences that end inside it), with no gradient at the shard's end;
+  2. exchange (M^T, G): D_r is the reverse exclusive scan of x -> M_j^T x + G_j over j > r,
+     seeded with the gradient of the last sequence's final state;
+  3. the ordinary chunk backward with dht = D_r at the shard's end.
 
-Communication per rank and call: B*H*K*(K+V) values forward and B*H*K*V backward (fp32),
-times P for the all-gather; independent of T.
+Communication per rank and call, independent of T: one (M, S) pair of B*H*K*(K+V) fp32 values
+per message; the all-gather moves P of them, the point-to-point scan ceil(log2 P) + 1.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import Backend, KDAOptions, check_inputs, chunk_kda, get_backend, BackendName
-from kda_cp.parallel.exchange import agree_or_raise, all_gather_stack, group_rank_and_size
+from kda_cp.ops import Backend, BackendName, KDAOptions, check_inputs, chunk_kda, get_backend
+from kda_cp.parallel.exchange import agree_or_raise, all_gather_stack, group_rank_and_size, p2p_exclusive_scan
+from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
 
-__all__ = ["cp_chunk_kda"]
+__all__ = ["cp_chunk_kda", "Exchange", "choose_exchange"]
 
+Exchange = Literal["auto", "allgather", "p2p"]
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+#: With more ranks than this, "auto" scans over point-to-point sends (O(log P) pairs per rank)
+#: instead of all-gathering P pairs to every rank.
+P2P_ABOVE = 8
 
 
-class _Saved(NamedTuple):
-    maps: scan.AffineMap  # every rank's (M, S~), stacked [P, B, H, K, *]
-    s_in: torch.Tensor  # this rank's true incoming state [B, H, K, V]
+def choose_exchange(exchange: Exchange, world_size: int) -> str:
+    """Resolve "auto": all-gather for small groups, the log-depth point-to-point scan above P2P_ABOVE."""
+    if exchange == "auto":
+        return "p2p" if world_size > P2P_ABOVE else "allgather"
+    if exchange not in ("allgather", "p2p"):
+        raise ValueError(f"exchange must be 'auto', 'allgather' or 'p2p', got {exchange!r}")
+    return exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call on one rank."""
+
+    rank: int
+    size: int
+    segs: ShardSegments | None  # None: dense batch, one sequence per batch row spanning all ranks
+    exchange: str
+    scan_method: str
+    has_h0: bool
+    varlen_final_rows: int  # number of sequences (varlen) for final-state/h0 reductions
+
+    @property
+    def chained(self) -> bool:
+        return self.rank > 0 if self.segs is None else self.segs.chained
+
+    @property
+    def first_continues(self) -> bool:
+        return self.rank > 0 if self.segs is None else self.segs.first_continues
+
+
+def _slice_last(x, plan):
+    if plan.segs is None:
+        return x
+    a, b = plan.segs.cu_seqlens[-2], plan.segs.cu_seqlens[-1]
+    return x[:, a:b]
+
+
+def _local_h0(h0_global, s_in, plan):
+    """Initial states of the local segments: S_in for a continuing first segment, else h0 rows."""
+    if plan.segs is None:
+        return s_in if plan.first_continues else h0_global
+    rows = h0_global[list(plan.segs.seq_ids)]
+    if plan.first_continues:
+        rows = torch.cat([s_in, rows[1:]], dim=0)
+    return rows
+
+
+def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool) -> scan.AffineMap:
+    """This rank's exclusive prefix (forward) or transposed suffix (reverse) of the pairs."""
+    if plan.exchange == "p2p":
+        if reverse:
+            pair = scan.AffineMap(pair.M.transpose(-1, -2), pair.S)
+        return p2p_exclusive_scan(pair, group, reverse=reverse)
+    maps = scan.AffineMap(all_gather_stack(pair.M, group), all_gather_stack(pair.S, group))
+    if reverse:
+        out = scan.reverse_transposed_exclusive_scan(maps, plan.scan_method)
+    else:
+        out = scan.exclusive_scan(maps, plan.scan_method)
+    return scan.AffineMap(out.M[plan.rank], out.S[plan.rank])
+
+
+def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
 
 
 class CPChunkKDAFunction(torch.autograd.Function):
     """Autograd of cp_chunk_kda. Collectives run in forward and backward on every rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, scan_method):
-        rank, size = group_rank_and_size(group)
-        M, St = backend.summary(k, v, g, beta, opts)
+    def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
+        last = [_slice_last(x, plan) for x in (k, v, g, beta)]
+        M, St = backend.summary(*last, opts)
         sdt = M.dtype
-        maps = scan.AffineMap(all_gather_stack(M, group), all_gather_stack(St.to(sdt), group))
-        prefix = scan.exclusive_scan(maps, scan_method)
         h0 = h0.to(sdt)
-        s_in = scan.apply(scan.AffineMap(prefix.M[rank], prefix.S[rank]), h0)
-        o, _ = backend.fwd(q, k, v, g, beta, s_in, opts)
-        ctx.save_for_backward(q, k, v, g, beta)
-        ctx.saved = _Saved(maps, s_in)
-        ctx.group, ctx.backend, ctx.opts, ctx.scan_method = group, backend, opts, scan_method
-        ctx.rank = rank
-        if opts.output_final_state:
-            last = scan.AffineMap(maps.M[-1], maps.S[-1])
-            final = scan.apply(scan.compose(last, scan.AffineMap(prefix.M[-1], prefix.S[-1])), h0)
-            return o, final
-        return o, None
+        if plan.chained:
+            pair = scan.AffineMap(M, St.to(sdt))
+        else:  # the last segment starts a sequence here: the shard's end state is a constant
+            h0_last = h0 if plan.segs is None else h0[plan.segs.seq_ids[-1]][None]
+            pair = scan.AffineMap(torch.zeros_like(M), M @ h0_last + St.to(sdt))
+        s_in = _exclusive(pair, plan, group, reverse=False).S  # the prefix's M multiplies a don't-care
+        h0_local = _local_h0(h0, s_in, plan)
+        cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+        o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local)
+        ctx.save_for_backward(q, k, v, g, beta, h0_local)
+        ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
+        if not opts.output_final_state:
+            return o, None
+        # Final states: each sequence's row is filled by the rank where it ends, then summed.
+        if plan.segs is None:
+            final = ht.to(sdt) if plan.rank == plan.size - 1 else torch.zeros_like(h0)
+        else:
+            final = h0.new_zeros(plan.varlen_final_rows, *h0.shape[1:])
+            for i, s in enumerate(plan.segs.seq_ids):
+                if plan.segs.ends[i]:
+                    final[s] = ht[i].to(sdt)
+        return o, _sum_over_ranks(final, group, plan.size)
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        import torch.distributed as dist
-
-        q, k, v, g, beta = ctx.saved_tensors
-        maps, s_in = ctx.saved
-        group, backend, opts, rank = ctx.group, ctx.backend, ctx.opts, ctx.rank
-        sdt = s_in.dtype
-        if do is None:
-            do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-        G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
-        G_all = all_gather_stack(G, group)
+        q, k, v, g, beta, h0_local = ctx.saved_tensors
+        group, backend, opts, plan = ctx.group, ctx.backend, ctx.opts, ctx.plan
+        sdt = h0_local.dtype
+        segs = plan.segs
         if opts.output_final_state and dfinal is not None:
-            # The final state is replicated on every rank: its gradient is the sum over ranks.
-            dfinal = dfinal.to(sdt).contiguous()
-            if maps.M.shape[0] > 1:
-                dist.all_reduce(dfinal, group=group)
+            # The final states are replicated on every rank: their gradient is the sum over ranks.
+            dfinal = _sum_over_ranks(dfinal.to(sdt), group, plan.size)
         else:
-            dfinal = torch.zeros_like(s_in)
-        suffix = scan.reverse_transposed_exclusive_scan(scan.AffineMap(maps.M, G_all), ctx.scan_method)
-        d_r = scan.apply(scan.AffineMap(suffix.M[rank], suffix.S[rank]), dfinal)
-        grads = backend.bwd(q, k, v, g, beta, s_in, do, d_r, opts)
-        # Gradient of the (replicated) initial state: t_0(D_0) = M_0^T D_0 + G_0, the same on every rank.
-        d_0 = scan.apply(scan.AffineMap(suffix.M[0], suffix.S[0]), dfinal)
-        dh0 = maps.M[0].transpose(-1, -2) @ d_0 + G_all[0]
+            dfinal = None
+        # dht of each local segment, except the last one's which comes from the scan.
+        dht = torch.zeros_like(h0_local)
+        if dfinal is not None and segs is not None:
+            for i, s in enumerate(segs.seq_ids[:-1]):
+                dht[i] = dfinal[s]
+        cu_local = None if segs is None else segs.local_cu_seqlens(q.device)
+        # 1. G: gradient of the incoming state from this shard alone (no gradient at its end).
+        G = torch.zeros_like(h0_local[:1] if segs is not None else h0_local)
+        if plan.first_continues:
+            if segs is None or segs.num_segments == 1:
+                G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
+            else:  # the first segment ends inside the shard, with its sequence's final-state gradient
+                n = segs.cu_seqlens[1]
+                G = backend.bwd(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], h0_local[:1],
+                                do[:, :n], dht[:1], opts).dh0.to(sdt)
+        # A sequence that ends exactly where the next rank's shard begins hands its final-state
+        # gradient to the chain through the next rank's map (whose M is then zero).
+        if dfinal is not None and segs is not None and plan.rank > 0 and not segs.first_continues:
+            G = G + dfinal[segs.seq_ids[0] - 1][None]
+        # 2. D_r: the reverse scan of x -> M_j^T x + G_j, seeded with the last sequence's dfinal.
+        suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
+        seed = torch.zeros_like(G)
+        if dfinal is not None:
+            seed = dfinal if segs is None else dfinal[-1:]
+        d_end = scan.apply(suffix, seed)
+        if segs is None:
+            dht = d_end
+        else:
+            dht[-1:] = d_end
+        # 3. The ordinary local backward from the true incoming states.
+        grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local)
+        dh0 = None
+        if plan.has_h0:
+            # Gradient of the replicated initial states: rows filled where each sequence starts.
+            if segs is None:
+                dh0 = grads.dh0.to(sdt) if plan.rank == 0 else torch.zeros_like(grads.dh0, dtype=sdt)
+            else:
+                dh0 = h0_local.new_zeros(plan.varlen_final_rows, *h0_local.shape[1:])
+                for i, s in enumerate(segs.seq_ids):
+                    if segs.starts[i]:
+                        dh0[s] = grads.dh0[i].to(sdt)
+            dh0 = _sum_over_ranks(dh0, group, plan.size)
         return (
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
             grads.dbeta.to(beta.dtype), dh0, None, None, None, None,
@@ -99,65 +209,98 @@ def cp_chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
     chunk_size: int = 64,
     backend: BackendName = "auto",
+    exchange: Exchange = "auto",
     scan_method: scan.ScanMethod = "log_depth",
     check_gate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
-    Math: DESIGN.md §3 (module docstring); the recurrence of Kimi Linear Eq. 1.
+    Math: the module docstring (DESIGN.md §3-4); the recurrence of Kimi Linear Eq. 1.
 
     Args:
         q, k: [B, T_r, H, K], this rank's contiguous shard (rank r holds the r-th piece along T).
         v: [B, T_r, H, V]; g: [B, T_r, H, K] (log decay, <= 0); beta: [B, T_r, H].
-            T_r may differ between ranks and need not be a multiple of ``chunk_size``.
+            T_r >= 1 may differ between ranks and need not be a multiple of ``chunk_size``.
         cp_group: the process group of the CP ranks (torch.distributed), or None for one device.
         scale: output scale; default K ** -0.5.
-        initial_state: [B, H, K, V], the state before the first token of the whole sequence, the
-            same tensor on every rank (replicated). Its gradient is the full dL/dS_0 on every rank.
-        output_final_state: also return the state after the last token of the whole sequence,
-            replicated on every rank; its gradient is summed over ranks (a replicated value).
+        initial_state: [N, H, K, V], the state before the first token of each sequence (N = B, or
+            the number of packed sequences), the same tensor on every rank (replicated). Its
+            gradient is the full dL/dS_0 on every rank.
+        output_final_state: also return each sequence's state after its last token, replicated on
+            every rank; its gradient is summed over ranks (a replicated value).
+        cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
+            same on every rank; sequences may cross any number of rank boundaries.
         chunk_size, backend, check_gate: as in :func:`kda_cp.chunk_kda`.
-        scan_method: "log_depth" or "sequential" schedule of the local scan over the gathered pairs.
+        exchange: "allgather" (P pairs to every rank, then a local scan), "p2p" (log-depth scan
+            over point-to-point sends), or "auto" (all-gather up to P2P_ABOVE ranks).
+        scan_method: schedule of the local scan after an all-gather: "log_depth" or "sequential".
 
     Returns:
-        (o [B, T_r, H, V] for this shard, final_state [B, H, K, V] or None).
+        (o [B, T_r, H, V] for this shard, final_state [N, H, K, V] or None).
 
     Raises:
-        ValueError: on every rank of the group when any rank's inputs are malformed or the ranks
-            disagree on B, H, K, V, dtype or the optional arguments; when this process is not in
-            ``cp_group``.
+        ValueError: on every rank of the group when any rank's inputs are malformed, the ranks
+            disagree on B, H, K, V, dtype or options, cu_seqlens is not increasing from 0 to the
+            sum of the local lengths, or a shard is empty; when this process is not in ``cp_group``.
 
     Collective: every rank of ``cp_group`` must call it (and run backward) in the same order.
     """
     rank, size = group_rank_and_size(cp_group)
     error = None
     try:
-        check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate)
+        if cu_seqlens is not None:
+            if q.dim() != 4 or q.shape[0] != 1:
+                raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got q {list(q.shape)}")
+            n_seq = len(check_cu_seqlens(cu_seqlens)) - 1
+            if initial_state is not None and initial_state.shape[0] != n_seq:
+                raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
+                                 f"got {list(initial_state.shape)}")
+            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate)
+            if initial_state is not None:
+                check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False)
+        else:
+            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate)
+        if q.shape[1] < 1:
+            raise ValueError("every rank's shard must hold at least one token (T_r >= 1)")
+        exchange_kind = choose_exchange(exchange, size)
     except ValueError as exc:
         error = f"cp_chunk_kda on rank {rank}: {exc}"
     if size == 1:
         if error is not None:
             raise ValueError(error)
-        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device)
+        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
                          check_gate=False)
     shape = list(q.shape) if q.dim() == 4 else [0, 0, 0, 0]
     V = v.shape[-1] if v.dim() == 4 else 0
-    meta = [shape[0], shape[2], shape[3], V, _DTYPES.get(q.dtype, 0), int(initial_state is not None),
-            int(output_final_state), chunk_size]
-    table = agree_or_raise(meta, error, cp_group, "cp_chunk_kda")
-    ref = table[0, 1:]
-    if not bool((table[:, 1:] == ref).all()):
+    same = [shape[0], shape[2], shape[3], V, _DTYPES.get(q.dtype, 0), int(initial_state is not None),
+            int(output_final_state), chunk_size, int(cu_seqlens is not None)]
+    table = agree_or_raise(same + [shape[1]], error, cp_group, "cp_chunk_kda")
+    if not bool((table[:, 1:-1] == table[0, 1:-1]).all()):
         raise ValueError(
             "cp_chunk_kda: ranks disagree on [B, H, K, V, dtype, has_initial_state, output_final_state, "
-            f"chunk_size]: {table[:, 1:].tolist()}"
+            f"chunk_size, packed]: {table[:, 1:-1].tolist()}"
         )
+    lengths = table[:, -1].tolist()
+    start = sum(lengths[:rank])
+    segs, n_rows = None, 0
+    if cu_seqlens is not None:
+        cs = check_cu_seqlens(cu_seqlens)
+        if cs[-1] != sum(lengths):
+            raise ValueError(f"cp_chunk_kda: cu_seqlens ends at {cs[-1]} but the ranks hold {lengths} "
+                             f"= {sum(lengths)} tokens")
+        segs = shard_segments(cs, start, start + lengths[rank])
+        n_rows = len(cs) - 1
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state)
     impl = get_backend(backend, q, k, v, g, beta)
+    plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
     sdt = reference._compute_dtype(q.dtype)
-    h0 = q.new_zeros(B, H, K, V, dtype=sdt) if initial_state is None else initial_state
-    return CPChunkKDAFunction.apply(q, k, v, g, beta, h0, cp_group, impl, opts, scan_method)
+    n_states = B if segs is None else n_rows
+    h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state
+    return CPChunkKDAFunction.apply(q, k, v, g, beta, h0, cp_group, impl, opts, plan)

@@ -68,3 +68,60 @@ def agree_or_raise(meta: list[int], error: str | None, group, what: str) -> torc
     if bad:
         raise ValueError(f"{what}: rank(s) {bad} of the cp_group rejected their inputs (see their errors)")
     return table
+
+
+def _peer(group, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
+
+
+def _sendrecv(send: torch.Tensor | None, to: int | None, recv_like: torch.Tensor, frm: int | None, group):
+    """Send ``send`` to group rank ``to`` and receive a tensor like ``recv_like`` from ``frm``."""
+    reqs, out = [], None
+    if frm is not None:
+        out = torch.empty_like(recv_like)
+        reqs.append(dist.irecv(out, _peer(group, frm), group=group))
+    if to is not None:
+        reqs.append(dist.isend(send.contiguous(), _peer(group, to), group=group))
+    for req in reqs:
+        req.wait()
+    return out
+
+
+def p2p_exclusive_scan(pair, group, *, reverse: bool = False):
+    """Exclusive scan of affine maps over the ranks of ``group`` by point-to-point sends.
+
+    Hillis-Steele: one shift, then ceil(log2 P) rounds; each round a rank sends one (M, S) pair
+    (B*H*K*(K+V) values) and receives one. Forward (``reverse=False``): rank r gets
+    pair_{r-1} o ... o pair_0 (identity on rank 0). Reverse: rank r gets
+    pair_{r+1} o ... o pair_{P-1} (identity on the last rank); pass transposed maps for the
+    backward of the state chain.
+
+    Args:
+        pair: this rank's (M [..., K, K], S [..., K, V]) as a :class:`kda_cp.scan.AffineMap`.
+
+    Returns:
+        this rank's exclusive prefix (or suffix) as an AffineMap.
+    """
+    from kda_cp import scan
+
+    rank, size = group_rank_and_size(group)
+    K = pair.M.shape[-1]
+    ident = scan.identity_like(pair)
+    if size == 1:
+        return ident
+    step = -1 if reverse else 1
+
+    def inside(r):
+        return r if 0 <= r < size else None
+
+    packed = torch.cat([pair.M, pair.S], dim=-1)
+    got = _sendrecv(packed, inside(rank + step), packed, inside(rank - step), group)
+    acc = ident if got is None else scan.AffineMap(got[..., :K], got[..., K:])
+    d = 1
+    while d < size:
+        packed = torch.cat([acc.M, acc.S], dim=-1)
+        got = _sendrecv(packed, inside(rank + step * d), packed, inside(rank - step * d), group)
+        if got is not None:
+            acc = scan.compose(acc, scan.AffineMap(got[..., :K], got[..., K:]))
+        d *= 2
+    return acc

@@ -1,0 +1,100 @@
+"""Packed sequences across CP ranks: each rank's local view of a global cu_seqlens (DESIGN.md §4).
+
+With varlen input (B = 1, cu_seqlens in the FlashAttention convention) a sequence may start on
+one rank and end several ranks later, and a rank may hold many whole sequences. Rank r holds
+global tokens [start, end); its tokens split into local segments at the sequence starts inside
+it. Only the first segment can continue a sequence from an earlier rank (it needs the incoming
+state), and only the last segment can continue into the next rank (it gives the outgoing state).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import torch
+
+__all__ = ["ShardSegments", "check_cu_seqlens", "shard_segments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSegments:
+    """One rank's segments of a packed batch.
+
+    Attributes:
+        start, end: the rank's global token range [start, end).
+        cu_seqlens: local offsets of the segments, [n + 1] ints from 0 to end - start.
+        seq_ids: the global sequence index of each local segment.
+        first_continues: the first segment continues a sequence that began on an earlier rank.
+        ends: for each segment, whether its sequence ends inside this shard (at its local end).
+    """
+
+    start: int
+    end: int
+    cu_seqlens: tuple[int, ...]
+    seq_ids: tuple[int, ...]
+    first_continues: bool
+    ends: tuple[bool, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def chained(self) -> bool:
+        """The shard's end state depends on its incoming state: one segment that continues."""
+        return self.num_segments == 1 and self.first_continues
+
+    @property
+    def starts(self) -> tuple[bool, ...]:
+        """For each segment, whether its sequence starts inside this shard."""
+        return tuple(i > 0 or not self.first_continues for i in range(self.num_segments))
+
+    def local_cu_seqlens(self, device) -> torch.Tensor:
+        return torch.tensor(self.cu_seqlens, dtype=torch.int64, device=device)
+
+
+def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:
+    """The global offsets as a list, after checking them.
+
+    Raises:
+        ValueError: not a 1-D integer sequence of >= 2 entries, not starting at 0, decreasing, or
+            (when ``total`` is given) not ending at the total length.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {list(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cs = cu_seqlens.tolist()
+    else:
+        cs = list(cu_seqlens)
+    if len(cs) < 2 or cs[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {cs}")
+    if any(b <= a for a, b in zip(cs[:-1], cs[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {cs}")
+    if total is not None and cs[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must end at the total length over all ranks ({total} tokens), got cu_seqlens[-1] = {cs[-1]}"
+        )
+    return cs
+
+
+def shard_segments(cu_seqlens, start: int, end: int) -> ShardSegments:
+    """The segments of global tokens [start, end) under the global offsets ``cu_seqlens``.
+
+    Args:
+        cu_seqlens: global offsets (checked with :func:`check_cu_seqlens`).
+        start, end: this rank's global token range, 0 <= start < end <= cu_seqlens[-1].
+
+    Raises:
+        ValueError: bad offsets or an empty/out-of-range shard.
+    """
+    cs = check_cu_seqlens(cu_seqlens)
+    if not 0 <= start < end <= cs[-1]:
+        raise ValueError(f"shard [{start}, {end}) must be non-empty and inside [0, {cs[-1]})")
+    first = bisect.bisect_right(cs, start) - 1  # sequence holding token `start`
+    last = bisect.bisect_right(cs, end - 1) - 1  # sequence holding token `end - 1`
+    seq_ids = tuple(range(first, last + 1))
+    cuts = [start] + [cs[s] for s in seq_ids[1:]] + [end]
+    local = tuple(c - start for c in cuts)
+    ends = tuple(cs[s + 1] <= end for s in seq_ids)
+    return ShardSegments(start, end, local, seq_ids, cs[first] < start, ends)
