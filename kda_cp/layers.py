@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from kda_cp.ops import chunk_kda
 from kda_cp.parallel.conv import causal_conv1d
+from kda_cp.parallel.cp import cp_chunk_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm"]
 
@@ -39,11 +40,11 @@ __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm"]
 class KDAConfig:
     """Hyper-parameters of one KDA layer."""
 
-    d_model: int = 192
+    d_model: int = 128
     """Model width D (input and output features)."""
     num_heads: int = 4
     """Number of KDA heads H."""
-    head_dim: int = 48
+    head_dim: int = 32
     """Key/query head dimension K (the state is K x V per head)."""
     value_dim: int | None = None
     """Value head dimension V; None means V = K."""
@@ -143,13 +144,11 @@ class KDALayer(nn.Module):
         super().__init__()
         self.config = c = config
         D, H, K, V = c.d_model, c.num_heads, c.head_dim, c.v_dim
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * V, bias=False)
+        # W_q, W_k, W_v stacked in one projection, and their three depthwise short convolutions in
+        # one conv over the stacked channels (identical math; one halo exchange per layer under CP).
+        self.qkv_proj = nn.Linear(D, H * (2 * K + V), bias=False)
         if c.conv_size > 0:
-            self.q_conv = ShortConv(H * K, c.conv_size)
-            self.k_conv = ShortConv(H * K, c.conv_size)
-            self.v_conv = ShortConv(H * V, c.conv_size)
+            self.qkv_conv = ShortConv(H * (2 * K + V), c.conv_size)
         rank = K if c.gate_rank is None else c.gate_rank
         self.g_down = nn.Linear(D, rank, bias=False)
         self.g_up = nn.Linear(rank, H * K, bias=True)
@@ -192,25 +191,18 @@ class KDALayer(nn.Module):
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
         B, T, _ = x.shape
         H, K, V = c.num_heads, c.head_dim, c.v_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self.qkv_proj(x)
         if c.conv_size > 0:
-            q, k, v = self.q_conv(q, cp_group), self.k_conv(k, cp_group), self.v_conv(v, cp_group)
+            qkv = self.qkv_conv(qkv, cp_group)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps)
         k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
         v = F.silu(v).view(B, T, H, V)
         g = self.gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        if cp_group is not None and _group_size(cp_group) > 1:
-            from kda_cp.parallel.cp import cp_chunk_kda
-
+        if cp_group is not None:  # cp_chunk_kda is chunk_kda for a group of size 1
             o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend)
         else:
             o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend)
         o = self.o_norm(o) * torch.sigmoid(self.og_proj(x)).view(B, T, H, V)
         return self.o_proj(o.reshape(B, T, H * V))
-
-
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)

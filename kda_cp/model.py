@@ -28,13 +28,13 @@ class ModelConfig:
 
     vocab_size: int = 256
     """Vocabulary size (256: raw bytes)."""
-    d_model: int = 192
+    d_model: int = 128
     """Residual width D."""
     n_layers: int = 3
     """Number of blocks (each: KDA token mixer + SwiGLU MLP)."""
     num_heads: int = 4
     """KDA heads per layer."""
-    head_dim: int = 48
+    head_dim: int = 32
     """KDA key/query head dim K (value head dim V = K)."""
     conv_size: int = 4
     """Width of the causal short convolution on q, k, v (0 disables it)."""

@@ -92,9 +92,9 @@ class OptimConfig:
 class TrainerConfig:
     """Loop length, evaluation, logging and output."""
 
-    max_steps: int = 600
+    max_steps: int = 300
     """Optimizer steps."""
-    val_every: int = 200
+    val_every: int = 100
     """Evaluate on the validation split every N steps (and always at the end); 0: only at the end."""
     log_every: int = 25
     """Log a metrics line to the logger every N steps (metrics.jsonl gets every step)."""
@@ -318,7 +318,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     layout = init_distributed(cfg.parallel)
     if layout.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
@@ -434,6 +434,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         "tokens": global_tokens * (cfg.trainer.max_steps - start_step),
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
+        "cpu_time_s_rank0": time.process_time() - cpu_start,
         "world_size": layout.world_size,
         "dp": layout.dp,
         "cp": layout.cp,
