@@ -1,0 +1,169 @@
+"""Cost of context parallelism for one rank's shard, and the bytes each rank sends per layer.
+
+On one device this times what a middle rank of a CP group computes, against the plain local op:
+
+    CP forward  = summary of the shard + scan over P gathered pairs + forward from the true state
+    CP backward = state gradient (dht = 0) + reverse scan + backward from the true state
+    ratio       = CP time / plain local forward (or forward+backward) time
+
+The all-gathered pairs of the other ranks are random maps of the right shapes (the scan's cost does
+not depend on their values). Communication is not timed here: its volume is tabulated (it does not
+depend on T) and measured in real multi-GPU runs elsewhere.
+
+    python scripts/bench_cp.py --out bench_cp.json                       # GPU, TileLang backend
+    python scripts/bench_cp.py --device cpu --t-local 512 2048 --heads 2 --head-dim 32   # smoke test
+
+Prints Markdown tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from kda_cp import scan
+from kda_cp.ops import KDAOptions, get_backend
+
+
+def _timer(device):
+    if device.type == "cuda":
+        def run(fn, repeats, warmup=2):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(repeats):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            return statistics.median(times)
+    else:
+        def run(fn, repeats, warmup=1):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t))
+            return statistics.median(times)
+    return run
+
+
+def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen).to(device)
+
+    q = rnd(1, T, H, K).to(dtype)
+    k = torch.nn.functional.normalize(rnd(1, T, H, K), dim=-1).to(dtype)
+    v = rnd(1, T, H, V).to(dtype)
+    g = (-5 * torch.sigmoid(rnd(1, T, H, K))).float()
+    beta = torch.rand(1, T, H, generator=gen).to(device).float()
+    do = rnd(1, T, H, V).to(dtype)
+    backend = get_backend(backend_name, q, k, v, g, beta)
+    opts = KDAOptions(scale=K**-0.5, chunk_size=64)
+    sdt = torch.float32
+    zero = torch.zeros(1, H, K, V, device=device, dtype=sdt)
+    others = scan.AffineMap(rnd(P, 1, H, K, K) / K, rnd(P, 1, H, K, V))
+    rank = P // 2
+    timer = _timer(device)
+
+    def plain_fwd():
+        return backend.fwd(q, k, v, g, beta, zero, opts)
+
+    def plain_fwd_bwd():
+        plain_fwd()
+        return backend.bwd(q, k, v, g, beta, zero, do, zero, opts)
+
+    def cp_fwd():
+        M, St = backend.summary(k, v, g, beta, opts)
+        maps = scan.AffineMap(others.M.clone(), others.S.clone())
+        maps.M[rank], maps.S[rank] = M, St.to(sdt)
+        prefix = scan.exclusive_scan(maps)
+        s_in = prefix.S[rank]
+        backend.fwd(q, k, v, g, beta, s_in, opts)
+        return M, s_in
+
+    def cp_fwd_bwd():
+        M, s_in = cp_fwd()
+        G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
+        maps = scan.AffineMap(others.M.clone(), others.S.clone())
+        maps.M[rank], maps.S[rank] = M, G
+        suffix = scan.reverse_transposed_exclusive_scan(maps)
+        d_end = suffix.S[rank]
+        return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts)
+
+    def summary_only():
+        return backend.summary(k, v, g, beta, opts)
+
+    with torch.no_grad():
+        res = {
+            "T_local": T, "H": H, "K": K, "V": V, "P": P, "backend": backend.name,
+            "plain_fwd_ms": timer(plain_fwd, repeats),
+            "cp_fwd_ms": timer(cp_fwd, repeats),
+            "summary_ms": timer(summary_only, repeats),
+            "plain_fwd_bwd_ms": timer(plain_fwd_bwd, repeats),
+            "cp_fwd_bwd_ms": timer(cp_fwd_bwd, repeats),
+        }
+    res["fwd_ratio"] = res["cp_fwd_ms"] / res["plain_fwd_ms"]
+    res["fwd_bwd_ratio"] = res["cp_fwd_bwd_ms"] / res["plain_fwd_bwd_ms"]
+    return res
+
+
+def bytes_per_rank(P, B, H, K, V, value_bytes=4):
+    """Bytes one rank sends per layer (forward + backward) for each exchange strategy."""
+    pair = B * H * K * (K + V) * value_bytes
+    rounds = math.ceil(math.log2(P)) + 1 if P > 1 else 0
+    # ring all-gather: each rank forwards P - 1 pairs; the backward exchanges (M^T, G) the same way.
+    return {"allgather": 2 * (P - 1) * pair, "p2p": 2 * rounds * pair}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--t-local", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--world-size", type=int, default=8, help="P of the simulated group")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default="bench_cp.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    H, K = args.heads, args.head_dim
+    rows = []
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    print("| T_local | plain fwd ms | CP fwd ms | ratio | summary ms | plain fwd+bwd ms | CP fwd+bwd ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in args.t_local:
+        r = bench_shard(T, H, K, K, args.world_size, device, dtype, args.backend, args.repeats)
+        rows.append(r)
+        print(f"| {T} | {r['plain_fwd_ms']:.3f} | {r['cp_fwd_ms']:.3f} | {r['fwd_ratio']:.3f} | {r['summary_ms']:.3f} "
+              f"| {r['plain_fwd_bwd_ms']:.3f} | {r['cp_fwd_bwd_ms']:.3f} | {r['fwd_bwd_ratio']:.3f} |")
+    print(f"\nBytes each rank sends per layer (B=1, H={H}, K=V={K}, fp32 pairs), any T:")
+    print("| P | all-gather | p2p log-depth |")
+    print("|---|---|---|")
+    comm = []
+    P = 2
+    while P <= 1024:
+        b = bytes_per_rank(P, 1, H, K, K)
+        comm.append({"P": P, **b})
+        print(f"| {P} | {b['allgather'] / 2**20:.1f} MiB | {b['p2p'] / 2**20:.1f} MiB |")
+        P *= 2
+    with open(args.out, "w") as f:
+        json.dump({"device": str(device), "shards": rows, "bytes_per_rank_per_layer": comm}, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
