@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import logging
 import warnings
 from typing import Literal, NamedTuple
@@ -48,6 +49,7 @@ def check_inputs(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     check_gate: bool = True,
+    g_min: float | None = -5.0,
 ) -> None:
     """Validate KDA inputs; raise ValueError naming the argument, its shape and what was expected."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -76,10 +78,17 @@ def check_inputs(
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if chunk_size < 1 or chunk_size % min(reference.SUB_CHUNK, chunk_size):
         raise ValueError(f"chunk_size must be a multiple of {reference.SUB_CHUNK} (or below it), got {chunk_size}")
+    if g_min is not None and not -5.0 <= g_min < 0.0:
+        raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
     if check_gate and g.numel():
-        gmax = g.max()
-        if not bool(torch.isfinite(g).all()) or gmax.item() > 0:
-            raise ValueError(f"g is a log decay and must be finite and <= 0; max(g) = {gmax.item():.4g}")
+        lo, hi = (x.item() for x in torch.aminmax(g.detach()))
+        if not math.isfinite(lo) or not math.isfinite(hi) or hi > 0:
+            raise ValueError(f"g is a log decay and must be finite and <= 0; min(g) = {lo:.4g}, max(g) = {hi:.4g}")
+        if g_min is not None and lo < g_min:
+            raise ValueError(
+                f"g must lie in [g_min, 0] = [{g_min}, 0] (the declared gate bound); min(g) = {lo:.4g}. "
+                "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (torch backend only)"
+            )
     n_states = B
     if cu_seqlens is not None:
         if B != 1:
@@ -123,6 +132,7 @@ class KDAOptions:
     scale: float
     chunk_size: int = 64
     output_final_state: bool = False
+    g_min: float | None = -5.0
 
 
 class Backend:
@@ -199,7 +209,7 @@ class TileLangBackend(TorchBackend):
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
         return self.kernels.chunk_kda_fwd(
             q, k, v, g, beta, scale=opts.scale, initial_state=h0, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size,
+            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
         )
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
@@ -207,7 +217,7 @@ class TileLangBackend(TorchBackend):
         return super().bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens)
 
     def summary(self, k, v, g, beta, opts):
-        return self.kernels.chunk_kda_summary(k, v, g, beta, chunk_size=opts.chunk_size)
+        return self.kernels.chunk_kda_summary(k, v, g, beta, chunk_size=opts.chunk_size, g_min=opts.g_min)
 
     def state_grad(self, q, k, v, g, beta, do, opts):
         _warn_once("The TileLang backward is not written yet: KDA gradients are recomputed with the torch backend.")
@@ -233,11 +243,12 @@ def _tilelang_kernels():
 _TORCH = TorchBackend()
 
 
-def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None) -> Backend:
+def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0) -> Backend:
     """Resolve a backend name for these inputs.
 
     "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
     CUDA). "tilelang": the kernels, or NotImplementedError saying why not. "torch": torch.
+    The kernels need a declared gate bound ``g_min`` in [-5, 0).
 
     Raises:
         ValueError: unknown name. NotImplementedError: "tilelang" for inputs it does not cover.
@@ -251,6 +262,8 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None) -> Backend
             raise NotImplementedError(f"the TileLang backend needs CUDA tensors, got q on {q.device}")
         return _TORCH
     kernels, why = _tilelang_kernels()
+    if g_min is None:
+        kernels, why = None, "the kernels need a declared gate bound g_min in [-5, 0), got g_min=None"
     if kernels is not None:
         ok, why = kernels.is_supported(q, k, v, g, beta, cu_seqlens)
         if ok:
@@ -302,6 +315,7 @@ def chunk_kda(
     chunk_size: int = 64,
     backend: BackendName = "auto",
     check_gate: bool = True,
+    g_min: float | None = -5.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
 
@@ -320,7 +334,10 @@ def chunk_kda(
         cu_seqlens: int tensor [N + 1] of packed-sequence offsets (FlashAttention convention, B = 1).
         chunk_size: tokens per chunk (64; a multiple of 16).
         backend: "auto", "torch" or "tilelang" (see :func:`get_backend`).
-        check_gate: verify g is finite and <= 0 (one device sync).
+        check_gate: verify g is finite, <= 0 and >= g_min (one device sync).
+        g_min: the declared lower bound of g, in [-5, 0) (Kimi K3: g = g_min * sigmoid(.), g_min = -5
+            by default); the TileLang kernels rely on it to keep exp(+-cumsum(g)) in range over a
+            16-token sub-chunk. None declares no bound (torch backend only, any g <= 0).
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -328,18 +345,18 @@ def chunk_kda(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
-            the expected shape), g > 0, malformed cu_seqlens.
+            the expected shape), g > 0 or g < g_min, malformed cu_seqlens.
         NotImplementedError: backend="tilelang" for inputs the kernels do not cover.
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
     """
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
     B, T, H, K = q.shape
     V = v.shape[-1]
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
-                      output_final_state=output_final_state)
-    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens)
+                      output_final_state=output_final_state, g_min=g_min)
+    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

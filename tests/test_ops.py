@@ -58,3 +58,17 @@ def test_bad_chunk_size_and_backend(inputs):
         chunk_kda(q, k, v, g, beta, backend="cuda")
     with pytest.raises(NotImplementedError, match="CUDA"):
         chunk_kda(q, k, v, g, beta, backend="tilelang")
+
+
+def test_gate_below_the_declared_bound(inputs):
+    q, k, v, g, beta, _ = inputs
+    g = g.clone()
+    g[1, 7, 0, 5] = -5.5
+    with pytest.raises(ValueError, match=r"g must lie in \[g_min, 0\] = \[-5.0, 0\]"):
+        chunk_kda(q, k, v, g, beta)
+    with pytest.raises(ValueError, match=r"g must lie in \[g_min, 0\] = \[-2.0, 0\]"):
+        chunk_kda(q, k, v, g.clamp(min=-5), beta, g_min=-2.0)
+    with pytest.raises(ValueError, match=r"g_min .* must be in \[-5, 0\)"):
+        chunk_kda(q, k, v, g, beta, g_min=-6.0)
+    o, _ = chunk_kda(q, k, v, g, beta, g_min=None)  # no declared bound: the torch backend takes any g <= 0
+    assert torch.isfinite(o).all()

@@ -5,5 +5,14 @@ Only this package touches torch.distributed.
 
 from kda_cp.parallel.cp import cp_chunk_kda
 from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_sequence, split_sequence
+from kda_cp.parallel.varlen import ShardSegments, shard_segments
 
-__all__ = ["cp_chunk_kda", "gather_sequence", "shard_bounds", "shard_sequence", "split_sequence"]
+__all__ = [
+    "cp_chunk_kda",
+    "gather_sequence",
+    "shard_bounds",
+    "shard_sequence",
+    "split_sequence",
+    "ShardSegments",
+    "shard_segments",
+]

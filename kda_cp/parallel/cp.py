@@ -215,6 +215,7 @@ def cp_chunk_kda(
     exchange: Exchange = "auto",
     scan_method: scan.ScanMethod = "log_depth",
     check_gate: bool = True,
+    g_min: float | None = -5.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
@@ -233,7 +234,7 @@ def cp_chunk_kda(
             every rank; its gradient is summed over ranks (a replicated value).
         cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
             same on every rank; sequences may cross any number of rank boundaries.
-        chunk_size, backend, check_gate: as in :func:`kda_cp.chunk_kda`.
+        chunk_size, backend, check_gate, g_min: as in :func:`kda_cp.chunk_kda`.
         exchange: "allgather" (P pairs to every rank, then a local scan), "p2p" (log-depth scan
             over point-to-point sends), or "auto" (all-gather up to P2P_ABOVE ranks).
         scan_method: schedule of the local scan after an all-gather: "log_depth" or "sequential".
@@ -258,11 +259,11 @@ def cp_chunk_kda(
             if initial_state is not None and initial_state.shape[0] != n_seq:
                 raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
                                  f"got {list(initial_state.shape)}")
-            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate)
+            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min)
             if initial_state is not None:
-                check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False)
+                check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min)
         else:
-            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate)
+            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min)
         if q.shape[1] < 1:
             raise ValueError("every rank's shard must hold at least one token (T_r >= 1)")
         exchange_kind = choose_exchange(exchange, size)
@@ -274,7 +275,7 @@ def cp_chunk_kda(
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device)
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
-                         check_gate=False)
+                         check_gate=False, g_min=g_min)
     shape = list(q.shape) if q.dim() == 4 else [0, 0, 0, 0]
     V = v.shape[-1] if v.dim() == 4 else 0
     same = [shape[0], shape[2], shape[3], V, _DTYPES.get(q.dtype, 0), int(initial_state is not None),
@@ -297,8 +298,8 @@ def cp_chunk_kda(
         n_rows = len(cs) - 1
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
-                      output_final_state=output_final_state)
-    impl = get_backend(backend, q, k, v, g, beta)
+                      output_final_state=output_final_state, g_min=g_min)
+    impl = get_backend(backend, q, k, v, g, beta, None, g_min)
     plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
     sdt = reference._compute_dtype(q.dtype)
     n_states = B if segs is None else n_rows
