@@ -60,9 +60,13 @@ def test_bad_input():
         causal_conv1d(torch.randn(8, 5), torch.randn(5, 4))
     with pytest.raises(ValueError, match="bias"):
         causal_conv1d(x, torch.randn(5, 4), torch.randn(3))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_conv1d(x[:1], torch.randn(5, 4), cu_seqlens=torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match="packed"):
+        causal_conv1d(x, torch.randn(5, 4), cu_seqlens=torch.tensor([0, 3, 8]))
 
 
-def _cp_body(rank, world_size, x, w, b, lengths, dy):
+def _cp_body(rank, world_size, x, w, b, lengths, dy, cu_seqlens):
     import torch.distributed as dist
 
     from kda_cp.parallel.conv import causal_conv1d
@@ -73,10 +77,8 @@ def _cp_body(rank, world_size, x, w, b, lengths, dy):
     x_r = x[:, sl].clone().requires_grad_(True)
     w_r = w.clone().requires_grad_(True)
     b_r = b.clone().requires_grad_(True)
-    y_r = causal_conv1d(x_r, w_r, b_r, cp_group=group)
+    y_r = causal_conv1d(x_r, w_r, b_r, cp_group=group, cu_seqlens=cu_seqlens)
     (y_r * dy[:, sl]).sum().backward()
-    with pytest.raises(NotImplementedError):
-        causal_conv1d(x_r, w_r, b_r, cp_group=group, cu_seqlens=torch.tensor([0, lengths[rank]]))
     return {"y": y_r.detach(), "dx": x_r.grad, "dw": w_r.grad, "db": b_r.grad}
 
 
@@ -91,22 +93,41 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Packed sequences (global cu_seqlens, B = 1): starts inside the halo, on a shard boundary, in a
+# shard shorter than the halo.
+VARLEN_CASES = {
+    "p3-starts-in-halo": (4, [7, 12, 5], [0, 5, 8, 9, 16, 24]),
+    "p3-start-on-boundary": (4, [7, 12, 5], [0, 7, 19, 24]),
+    "p3-short-shard": (4, [9, 2, 8], [0, 10, 11, 19]),
+}
+
+
+def _reference_varlen(x, w, b, cu):
+    return torch.cat([_reference(x[:, s:e], w, b) for s, e in zip(cu[:-1], cu[1:])], dim=1)
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(VARLEN_CASES))
 def test_cp_matches_unsharded(name):
-    W, lengths = CASES[name]
+    if name in CASES:
+        (W, lengths), cu = CASES[name], None
+    else:
+        W, lengths, cu = VARLEN_CASES[name]
     P = len(lengths)
     T = sum(lengths)
-    B, D = 2, 6
+    B, D = (2, 6) if cu is None else (1, 6)
     x = torch.randn(B, T, D, dtype=torch.float64)
     w = torch.randn(D, W, dtype=torch.float64)
     b = torch.randn(D, dtype=torch.float64)
     dy = torch.randn(B, T, D, dtype=torch.float64)
 
     xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
-    y_ref = _reference(xr, wr, br)
+    y_ref = _reference(xr, wr, br) if cu is None else _reference_varlen(xr, wr, br, cu)
     (y_ref * dy).sum().backward()
+    if cu is not None:  # the packing matters: the plain conv differs somewhere
+        assert not torch.allclose(y_ref, _reference(x, w, b))
 
-    res = run_ranks(_cp_body, P, x, w, b, lengths, dy, timeout=60)
+    cu_t = None if cu is None else torch.tensor(cu)
+    res = run_ranks(_cp_body, P, x, w, b, lengths, dy, cu_t, timeout=60)
     y = torch.cat([r["y"] for r in res], dim=1)
     dx = torch.cat([r["dx"] for r in res], dim=1)
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-12, atol=1e-12)

@@ -12,8 +12,8 @@ Math (per channel d, weight w[d, 0..W-1], bias b[d]):
 
 which is ``torch.nn.functional.conv1d`` with ``groups=D`` and W-1 zeros of left padding.
 
-Communication: one all-gather of every rank's last min(T_r, W-1) inputs (B*(W-1)*D values per
-rank) in forward, one all-reduce of the halo gradients (P*B*(W-1)*D values) in backward. Both are
+Communication: one all-gather of the shard lengths and one of every rank's last min(T_r, W-1)
+inputs (B*(W-1)*D values per rank) in forward, one all-reduce of the halo gradients (P*B*(W-1)*D values) in backward. Both are
 independent of the sequence length. Works over gloo (CPU) and NCCL (CUDA).
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "halo_exchange"]
+__all__ = ["causal_conv1d", "halo_exchange", "shard_lengths"]
 
 
 def _group_size(group) -> int:
@@ -45,7 +45,7 @@ class _HaloExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, halo: int, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, halo: int, group, lengths: tuple[int, ...]) -> torch.Tensor:
         B, T, D = x.shape
         P = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -53,12 +53,9 @@ class _HaloExchange(torch.autograd.Function):
         tail = x.new_zeros(B, halo, D)
         if n_tail:
             tail[:, halo - n_tail :] = x[:, T - n_tail :]
-        length = torch.tensor([T], dtype=torch.int64, device=x.device)
-        lengths = [torch.empty_like(length) for _ in range(P)]
-        dist.all_gather(lengths, length, group=group)
         tails = [torch.empty_like(tail) for _ in range(P)]
         dist.all_gather(tails, tail.contiguous(), group=group)
-        n_tails = [min(int(n.item()), halo) for n in lengths]
+        n_tails = [min(n, halo) for n in lengths]
         # Where each halo row comes from: (source rank, row in that rank's padded tail).
         sources: list[tuple[int, int]] = []
         for j in range(rank):
@@ -84,10 +81,21 @@ class _HaloExchange(torch.autograd.Function):
         grad_x = grad_halo.new_zeros(B, ctx.T, D)
         if ctx.n_tail:
             grad_x[:, ctx.T - ctx.n_tail :] = table[ctx.rank, :, halo - ctx.n_tail :]
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
-def halo_exchange(x: torch.Tensor, halo: int, cp_group) -> torch.Tensor:
+def shard_lengths(x: torch.Tensor, cp_group, dim: int = 1) -> list[int]:
+    """Every rank's shard length along ``dim`` (one all-gather of an int64; [T] without a group)."""
+    if _group_size(cp_group) == 1:
+        return [x.shape[dim]]
+    P = dist.get_world_size(cp_group)
+    length = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+    lengths = [torch.empty_like(length) for _ in range(P)]
+    dist.all_gather(lengths, length, group=cp_group)
+    return [int(n.item()) for n in lengths]
+
+
+def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | None = None) -> torch.Tensor:
     """The ``halo`` inputs that precede this rank's shard in the global sequence (differentiable).
 
     Args:
@@ -95,6 +103,7 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group) -> torch.Tensor:
             and may be shorter than ``halo`` (then the halo spans several earlier ranks).
         halo: number of preceding rows to fetch (W - 1 for a width-W convolution), >= 0.
         cp_group: the context-parallel process group (collective: every rank must call this).
+        lengths: every rank's shard length (from :func:`shard_lengths`); gathered when None.
 
     Returns:
         [B, halo, D] in x's dtype: rows T_start - halo .. T_start - 1 of the global sequence, zeros
@@ -104,7 +113,9 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group) -> torch.Tensor:
         raise ValueError(f"halo must be >= 0, got {halo}")
     if halo == 0 or _group_size(cp_group) == 1:
         return x.new_zeros(x.shape[0], halo, x.shape[2])
-    return _HaloExchange.apply(x, halo, cp_group)
+    if lengths is None:
+        lengths = shard_lengths(x, cp_group)
+    return _HaloExchange.apply(x, halo, cp_group, tuple(lengths))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -119,22 +130,34 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"weight/bias dtype must match x ({x.dtype}), got {weight.dtype}")
 
 
-def _conv_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor):
-    """Single-device causal conv over packed sequences: taps never cross a sequence start."""
-    B, T, D = x.shape
+def _conv_varlen(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor, start: int):
+    """Causal conv over packed sequences whose taps never cross a sequence start.
+
+    xp: [1, W - 1 + T_r, D], the shard with its W - 1 preceding rows (halo or zeros); ``start`` is the
+    global position of the shard's first token and ``cu_seqlens`` the global offsets.
+    """
     W = weight.shape[1]
-    if B != 1:
-        raise ValueError(f"with cu_seqlens, x must have B = 1 (packed), got shape {tuple(x.shape)}")
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-        raise ValueError(f"cu_seqlens must be [N + 1] from 0 to T = {T}, got {cu_seqlens.tolist()}")
-    pos = torch.arange(T, device=x.device)
-    starts = cu_seqlens.to(x.device)[torch.searchsorted(cu_seqlens.to(x.device), pos, right=True) - 1]
-    y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
-    for lag in range(W):  # tap weight[:, W-1-lag] reads x[t - lag]
-        valid = (pos - lag >= starts).to(x.dtype)[None, :, None]
-        shifted = F.pad(x, (0, 0, lag, 0))[:, :T]
-        y = y + shifted * valid * weight[:, W - 1 - lag]
+    T = xp.shape[1] - (W - 1)
+    cu = cu_seqlens.to(device=xp.device, dtype=torch.int64)
+    pos = start + torch.arange(T, device=xp.device)  # global position of each output
+    seq_start = cu[torch.searchsorted(cu, pos, right=True) - 1]
+    y = xp.new_zeros(1, T, xp.shape[2]) if bias is None else bias.expand(1, T, -1).clone()
+    for lag in range(W):  # tap weight[:, W-1-lag] reads the input at pos - lag
+        valid = (pos - lag >= seq_start).to(xp.dtype)[None, :, None]
+        y = y + xp[:, W - 1 - lag : W - 1 - lag + T] * valid * weight[:, W - 1 - lag]
     return y
+
+
+def _check_cu_seqlens(cu_seqlens, x: torch.Tensor, total: int) -> torch.Tensor:
+    if x.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, x must be packed: [1, T, D], got shape {tuple(x.shape)}")
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {tuple(cu.shape)} {cu.dtype}")
+    cs = cu.tolist()
+    if cs[0] != 0 or cs[-1] != total or any(b < a for a, b in zip(cs[:-1], cs[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, not decrease, and end at the global T = {total}; got {cs}")
+    return cu
 
 
 def causal_conv1d(
@@ -158,30 +181,29 @@ def causal_conv1d(
             Collective under CP: every rank of the group must call it (and, when training, run
             backward with x requiring grad on every rank); shards may be uneven (even shorter than
             W - 1, or empty).
-        cu_seqlens: int [N + 1] packed-sequence offsets (B = 1): taps do not cross sequence starts.
-            Single device only for now.
+        cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (FlashAttention convention, B = 1),
+            the same on every rank; taps never cross a sequence start, also when the sequence
+            start falls inside the halo (DESIGN.md §5, §4).
 
     Returns:
         y: [B, T_r, D] in x's dtype; equal (forward and backward) to slicing the unsharded result.
 
     Raises:
-        ValueError: bad shapes or dtypes (the message names the argument and the expected shape).
-        NotImplementedError: cu_seqlens together with a cp_group of size > 1.
+        ValueError: bad shapes or dtypes, or cu_seqlens that do not end at the global T (the
+            message names the argument and the expected shape).
     """
     _check(x, weight, bias)
     W = weight.shape[1]
-    sharded = _group_size(cp_group) > 1
-    if cu_seqlens is not None:
-        if sharded:
-            raise NotImplementedError(
-                "causal_conv1d: cu_seqlens under context parallelism (packed sequences crossing ranks) "
-                "is not implemented yet; the halo would have to be masked at sequence starts"
-            )
-        return _conv_varlen(x, weight, bias, cu_seqlens)
-    if sharded:
-        xp = torch.cat([halo_exchange(x, W - 1, cp_group), x], dim=1)
+    if _group_size(cp_group) > 1:
+        lengths = shard_lengths(x, cp_group)
+        start = sum(lengths[: dist.get_rank(cp_group)])
+        xp = torch.cat([halo_exchange(x, W - 1, cp_group, lengths), x], dim=1)
     else:
+        lengths, start = [x.shape[1]], 0
         xp = F.pad(x, (0, 0, W - 1, 0))
+    if cu_seqlens is not None:
+        cu = _check_cu_seqlens(cu_seqlens, x, sum(lengths))
+        return _conv_varlen(xp, weight, bias, cu, start)
     if x.shape[1] == 0:  # an empty shard: stay connected to the graph so backward's collective runs
         y = xp[:, :0] * weight[:, 0]
         return y if bias is None else y + bias
