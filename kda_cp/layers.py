@@ -201,8 +201,10 @@ class KDALayer(nn.Module):
         g = self.gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         if cp_group is not None:  # cp_chunk_kda is chunk_kda for a group of size 1
-            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend)
+            o, _ = cp_chunk_kda(
+                q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min
+            )
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend)
+            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min)
         o = self.o_norm(o) * torch.sigmoid(self.og_proj(x)).view(B, T, H, V)
         return self.o_proj(o.reshape(B, T, H * V))
