@@ -173,7 +173,7 @@ def _state_pass(r: _Recompute, h0, dO, dht, need_states: bool):
     return Hs, dHs, dS
 
 
-def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C):
+def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None):
     B, T, H, K = k.shape
     V = v.shape[-1]
     if T == 0:  # nothing happens: the state passes through unchanged
@@ -212,6 +212,9 @@ def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C):
     dgam = r.qs * dqs + r.k * (Gam * dGk + dxk - dkk - dkq) - r.Kd * dKd
     dgam[..., -1, :] += (r.Kd * dKd).sum(-2) + r.eC * deC
     dgc = dgam.flip(-2).cumsum(-2).flip(-2)
+    if stages is not None:  # per-chunk intermediates [B, H, N, C, *] for stage-by-stage kernel checks
+        stages.update(W=r.W, U=r.U, Qg=r.Qg, Kd=r.Kd, Aqk=r.Aqk, eC=r.eC, Hs=S, dHs=dSn, dAqk=dAqk,
+                      dQg=dQg, dKd=dKd, deC=deC, dW=dW, dU=dU, dB=dB, dGk=dGk)
 
     def back(x):  # [B, H, N, C, D] -> [B, T, H, D]
         return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, -1)[:, :T]
@@ -228,7 +231,7 @@ def _segments(cu_seqlens, T):
 
 
 def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht=None, cu_seqlens=None,
-                         chunk_size=64):
+                         chunk_size=64, stages=None):
     """Gradients of <o, do> + <ht, dht> for KDA, computed stage by stage as the kernels do.
 
     Args:
@@ -237,6 +240,8 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
         initial_state: [N, H, K, V] or None (zero). do: [B, T, H, V]. dht: [N, H, K, V] or None (zero).
         cu_seqlens: [N + 1] packed-sequence offsets (B = 1), or None. Tokens past cu_seqlens[-1]
             get zero gradients. chunk_size: a multiple of 16.
+        stages: a dict to fill with the per-chunk intermediates ([B, H, N, C, *]: W, U, Qg, Kd, Aqk,
+            eC, Hs, dHs, dAqk, dQg, dKd, deC, dW, dU, dB, dGk), dense inputs only; for kernel checks.
     Returns:
         (dq, dk, dv, dg, dbeta, dh0) with the shapes of q, k, v, g, beta and [N, H, K, V].
     """
@@ -249,7 +254,7 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
     h0 = q.new_zeros(NS, H, K, V) if initial_state is None else initial_state.to(q.dtype)
     dht_ = q.new_zeros(NS, H, K, V) if dht is None else dht.to(q.dtype)
     if segs is None:
-        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size)
+        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size, stages)
     outs = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
     dh0 = torch.zeros_like(h0)
     for i, (a, b) in enumerate(segs):

@@ -1,0 +1,176 @@
+"""TileLang backward of KDA: the orchestrator of the backward stages (Hopper, bf16/fp16).
+
+Public API (to be wired into ``kda_cp.ops.TileLangBackend`` by ops.py):
+
+    chunk_kda_bwd(q, k, v, g, beta, *, scale, initial_state, do, dht, cu_seqlens=None,
+                  chunk_size=64, g_min=-5.0) -> (dq, dk, dv, dg, dbeta, dh0)
+    chunk_kda_state_grad(q, k, v, g, beta, *, scale, do, chunk_size=64, g_min=-5.0) -> dh0
+
+Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against autograd):
+
+1. intra.py (the forward's kernel): recompute W, U, Qg, Kd, Aqk, eC per chunk from q, k, v, g, beta.
+2. bwd_state.py: forward walk storing each chunk's start state Hs; reverse walk storing each
+   chunk's end-state gradient dHs and the initial state's gradient dh0.
+3. bwd_intra.py "dv": V', dV' and the gradients of Aqk, Qg, Kd, eC, W, U.
+4. bwd_intra.py "ut": the UT transform's backward: dv, dbeta, dB, dGk.
+5. bwd_intra.py "dk": the decayed products' backward; dq, dk, dg.
+
+What the forward keeps for the backward: only its inputs (q, k, v, g, beta, h0), which ops.py's
+autograd already saves; everything else is recomputed here. So the memory held between forward and
+backward is the inputs alone, no more than flash-linear-attention's (which keeps at least as much).
+Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk, dAqk,
+dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K fp32) and per chunk Hs, dHs (2 x K x V in the
+input dtype); they are freed as soon as the next stage no longer needs them.
+
+The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
+G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _check, _kernel_inputs, _tl_name, _validate
+from ._common import build_chunk_tables
+
+__all__ = ["chunk_kda_bwd", "chunk_kda_state_grad"]
+
+
+def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev):
+    from .intra import build_intra_kernel
+
+    NC = tables.num_chunks
+    W = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
+    U = torch.empty(NC, H, C, V, device=dev, dtype=dtype)
+    Qg = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
+    Kd = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
+    Aqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
+    Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    build_intra_kernel(None, K, V, C, dt, scale=float(scale))(qf, kf, vf, gf, bf, tables.chunk_table,
+                                                            W, U, Qg, Kd, Aqk, Ec)
+    return W, U, Qg, Kd, Aqk, Ec
+
+
+def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht=None, cu_seqlens=None,
+                  chunk_size: int = 64, g_min: float = -5.0):
+    """Gradients of L = <o, do> + <ht, dht> for the KDA chunk forward, with TileLang kernels.
+
+    Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale * S_t^T q_t, S_{-1} = initial_state (zero if None), ht = the last state of each
+    sequence. Derivation and stage order: :mod:`kda_cp.kernels.bwd_mirror`.
+
+    Args:
+        q, k: [B, T, H, K] bf16 or fp16, contiguous. v: [B, T, H, V], same dtype.
+        g: [B, T, H, K] fp32 log decay per step (natural log, not cumsummed), in [g_min, 0].
+        beta: [B, T, H] fp32 or q's dtype.
+        scale: the forward's output scale (static: part of the kernels' cache key).
+        initial_state: [N, H, K, V] fp32 or None (zero); N = B, or the number of sequences.
+        do: [B, T, H, V] in q's dtype, contiguous: gradient of o.
+        dht: [N, H, K, V] fp32 or None (zero): gradient of the final state.
+        cu_seqlens: [N + 1] int32/int64 packed-sequence offsets (B == 1), read once on the host.
+            Tokens past cu_seqlens[-1] get exact zero gradients.
+        chunk_size: 64. g_min: declared gate bound in [-5, 0) (relied on, not checked).
+    Returns:
+        (dq [B,T,H,K], dk [B,T,H,K], dv [B,T,H,V] in q's dtype; dg [B,T,H,K] fp32;
+         dbeta [B,T,H] in beta's dtype; dh0 [N,H,K,V] fp32).
+    Raises:
+        ValueError on a shape, dtype, contiguity or option mismatch (the message shows the shapes).
+    Numerics: cumsums, exponentials, triangular solve, states and state gradients in fp32; GEMM
+        operands in the input dtype (decayed products in bf16), fp32 accumulation.
+    """
+    from .bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
+    from .bwd_state import build_bwd_state_kernel
+
+    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    _check("do", do, (B, T, H, V), (q.dtype,))
+    if initial_state is not None:
+        _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
+    if dht is not None:
+        _check("dht", dht, (N, H, K, V), (torch.float32,))
+    dev, dtype, C = q.device, q.dtype, chunk_size
+    alloc = torch.zeros if cu_seqlens is not None else torch.empty  # zero the tail past the last sequence
+    dq = alloc(B, T, H, K, device=dev, dtype=dtype)
+    dk = alloc(B, T, H, K, device=dev, dtype=dtype)
+    dv = alloc(B, T, H, V, device=dev, dtype=dtype)
+    dg = alloc(B, T, H, K, device=dev, dtype=torch.float32)
+    dbeta = alloc(B, T, H, device=dev, dtype=torch.float32)
+    zeros_state = None
+    if initial_state is None or dht is None:
+        zeros_state = torch.zeros(N, H, K, V, device=dev, dtype=torch.float32)
+    h0 = initial_state if initial_state is not None else zeros_state
+    dht_ = dht if dht is not None else zeros_state
+    if T == 0 or N == 0:
+        return dq, dk, dv, dg, dbeta.to(beta.dtype), dht_.clone()
+
+    tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
+    NC = tables.num_chunks
+    dt = _tl_name(dtype)
+    qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+    W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+
+    # ---- stage 2: chunk-start states and chunk-end state gradients ----
+    Hs = torch.empty(NC, H, K, V, device=dev, dtype=dtype)
+    dHs = torch.empty(NC, H, K, V, device=dev, dtype=dtype)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    dof = do.view(B * T, H, V)
+    build_bwd_state_kernel(None, K, V, C, dt, store_states=True)(
+        W, U, Qg, Kd, Aqk, Ec, dof, tables.seq_table, h0, dht_, Hs, dHs, dh0)
+    del Qg
+
+    # ---- stage 3: "dv" ----
+    dAqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
+    dQg = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    dKd = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    dEc = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    dW = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
+    dU = torch.empty(NC, H, C, V, device=dev, dtype=dtype)
+    build_bwd_dv_kernel(None, K, V, C, dt)(W, U, Kd, Aqk, Hs, dHs, dof, tables.chunk_table,
+                                           dAqk, dQg, dKd, dEc, dW, dU)
+    del Hs, dHs, Kd, Aqk
+
+    # ---- stage 4: "ut" ----
+    dB = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
+    dGk = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
+                                           dv.view(B * T, H, V), dbeta.view(B * T, H), dB, dGk)
+    del W, U, dW, dU
+
+    # ---- stage 5: "dk" ----
+    build_bwd_dk_kernel(None, K, C, dt, scale=float(scale))(
+        qf, kf, gf, tables.chunk_table, dAqk, dB, dQg, dKd, dGk, dEc,
+        dq.view(B * T, H, K), dk.view(B * T, H, K), dg.view(B * T, H, K))
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
+
+
+def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, chunk_size: int = 64, g_min: float = -5.0):
+    """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (DESIGN.md §3).
+
+    o is affine in h0, so G does not depend on h0; no state is recomputed and no dq/dk/dv is formed:
+    stage 1 (intra recompute) and the reverse walk of bwd_state.py only.
+
+    Args:
+        q, k: [B, T, H, K] bf16/fp16; v: [B, T, H, V]; g: [B, T, H, K] fp32 in [g_min, 0];
+        beta: [B, T, H] fp32 or q's dtype; do: [B, T, H, V] q's dtype; all contiguous.
+        scale: output scale. chunk_size: 64. g_min: declared gate bound in [-5, 0).
+    Returns:
+        dh0 [B, H, K, V] fp32.
+    Raises:
+        ValueError on a shape, dtype, contiguity or option mismatch.
+    """
+    from .bwd_state import build_bwd_state_kernel
+
+    B, T, H, K, V = _validate(q, k, v, g, beta, None, chunk_size, g_min)
+    _check("do", do, (B, T, H, V), (q.dtype,))
+    dev, dtype, C = q.device, q.dtype, chunk_size
+    zeros = torch.zeros(B, H, K, V, device=dev, dtype=torch.float32)
+    if T == 0:
+        return zeros
+    tables = build_chunk_tables(B, T, None, C, dev)
+    dt = _tl_name(dtype)
+    qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+    W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+    dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
+    dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
+    build_bwd_state_kernel(None, K, V, C, dt, store_states=False)(
+        W, U, Qg, Kd, Aqk, Ec, do.view(B * T, H, V), tables.seq_table, zeros, zeros, dummy, dummy, dh0)
+    return dh0

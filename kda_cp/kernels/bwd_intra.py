@@ -1,0 +1,408 @@
+"""Backward chunk-local stage: dq, dk, dv, dg, dbeta from the chunk-start states and their gradients.
+
+Three chunk-parallel kernels, one thread block per (chunk, head); the math and the order are those
+of :mod:`kda_cp.kernels.bwd_mirror` (its docstring is the full derivation). Per chunk, with
+q~ = scale * q, gamma = chunk-local cumsum of g, Gamma = exp(gamma), S = state entering the chunk
+and dS' = gradient of the state leaving it (both from bwd_state.py):
+
+kernel "dv"   (build_bwd_dv_kernel; reads W, U, Kd, Aqk of the forward's intra kernel)
+    V' = U - W S,  dV' = Aqk^T dO + Kd dS',  dU = dV',  dW = -dV' S^T
+    dAqk = Tril(dO V'^T),  dQg = dO S^T,  dKd = V' dS'^T,  deC_d = sum_v S_dv dS'_dv
+
+kernel "ut"   (build_bwd_ut_kernel: the UT transform's backward)
+    B = StrictTril decayed K K^T,  X = (I + Diag(beta) B)^-1          (recomputed, fp32 solve)
+    dKb = X^T dW,  dVb = X^T dU,  dA = -StrictTril(dKb W^T + dVb U^T)
+    dv = beta * dVb,  dbeta_i = <dKb_i, Gamma_i k_i> + <dVb_i, v_i> + sum_j dA_ij B_ij
+    dB = Diag(beta) dA,  dGk = beta * dKb                              (gradient of Gamma * k)
+
+kernel "dk"   (build_bwd_dk_kernel: the decayed products' backward and the assembly)
+    row side   dx_i = exp(gamma_i - r_I) * sum_j dM_ij k_j exp(r_I - gamma_j)   (rows in sub-chunk I)
+    column side dk_j = exp(s_J - gamma_j) * sum_i dM_ij x_i exp(gamma_i - s_J)  (columns in sub-chunk J)
+        for (x, dM) = (q~, dAqk) and (k, dB); r_I = gamma[16 I - 1] (0 for I = 0), s_J = gamma[16 J + 15]
+    dq = scale (Gamma dQg + dx(Aqk))
+    dk = Gamma dGk + exp(gamma_C - gamma) dKd + dx(B) + dk(B) + dk(Aqk)
+    dgamma = q~ dq~ + k (Gamma dGk + dx(B) - dk(B) - dk(Aqk)) - Kd dKd,
+    dgamma_C += sum_i Kd_i dKd_i + eC deC;   dg = reverse cumsum of dgamma over the chunk
+
+Numerics: cumsums, exponentials, the triangular solve and every elementwise combination in fp32;
+GEMM operands in the input dtype, except the decayed products' operands, which are bf16 (their
+factors reach exp(75), beyond fp16); fp32 accumulation. Rows past a sequence end are read as zero
+and never written.
+"""
+import functools
+
+import tilelang.language as T
+
+from ._common import SUB, compile_kernel, tl_dtype
+
+LOG2E = 1.4426950408889634
+
+
+def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
+    Hn = T.dynamic("H") if H is None else H
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_bwd_dv(
+        W: T.Tensor([NC, Hn, C, K], dtype),
+        U: T.Tensor([NC, Hn, C, V], dtype),
+        Kd: T.Tensor([NC, Hn, C, K], dtype),
+        Aqk: T.Tensor([NC, Hn, C, C], dtype),
+        Hs: T.Tensor([NC, Hn, K, V], dtype),
+        DHs: T.Tensor([NC, Hn, K, V], dtype),
+        DO: T.Tensor([TT, Hn, V], dtype),
+        Table: T.Tensor([NC, 2], "int32"),
+        DAqk: T.Tensor([NC, Hn, C, C], dtype),
+        DQg: T.Tensor([NC, Hn, C, K], f32),
+        DKd: T.Tensor([NC, Hn, C, K], f32),
+        DEc: T.Tensor([NC, Hn, K], f32),
+        DW: T.Tensor([NC, Hn, C, K], dtype),
+        DU: T.Tensor([NC, Hn, C, V], dtype),
+    ):
+        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+            S_s = T.alloc_shared([K, V], dtype)
+            dS_s = T.alloc_shared([K, V], dtype)
+            do_s = T.alloc_shared([C, V], dtype)
+            w_s = T.alloc_shared([C, K], dtype)
+            kd_s = T.alloc_shared([C, K], dtype)
+            u_s = T.alloc_shared([C, V], dtype)
+            aqk_s = T.alloc_shared([C, C], dtype)
+            vn_s = T.alloc_shared([C, V], dtype)
+            dvn_s = T.alloc_shared([C, V], dtype)
+            dec_s = T.alloc_shared([K], f32)
+            cv_f = T.alloc_fragment([C, V], f32)
+            ck_f = T.alloc_fragment([C, K], f32)
+            cc_f = T.alloc_fragment([C, C], f32)
+
+            T.copy(Hs[ic, ih, :, :], S_s)
+            T.copy(DHs[ic, ih, :, :], dS_s)
+            T.copy(W[ic, ih, :, :], w_s)
+            T.copy(U[ic, ih, :, :], u_s)
+            T.copy(Kd[ic, ih, :, :], kd_s)
+            T.copy(Aqk[ic, ih, :, :], aqk_s)
+            for i, j in T.Parallel(C, V):
+                do_s[i, j] = T.if_then_else(bos + i < eos, DO[bos + i, ih, j], T.cast(0, dtype))
+
+            # V' = U - W S
+            T.gemm(w_s, S_s, cv_f, clear_accum=True)
+            for i, j in T.Parallel(C, V):
+                cv_f[i, j] = T.cast(u_s[i, j], f32) - cv_f[i, j]
+            T.copy(cv_f, vn_s)
+            # dV' = Aqk^T dO + Kd dS'  (= dU)
+            T.gemm(aqk_s, do_s, cv_f, transpose_A=True, clear_accum=True)
+            T.gemm(kd_s, dS_s, cv_f)
+            T.copy(cv_f, dvn_s)
+            T.copy(cv_f, DU[ic, ih, :, :])
+            # dAqk = Tril(dO V'^T)
+            T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                cc_f[i, j] = T.if_then_else(j <= i, cc_f[i, j], T.float32(0))
+            T.copy(cc_f, DAqk[ic, ih, :, :])
+            # dQg = dO S^T
+            T.gemm(do_s, S_s, ck_f, transpose_B=True, clear_accum=True)
+            T.copy(ck_f, DQg[ic, ih, :, :])
+            # dKd = V' dS'^T
+            T.gemm(vn_s, dS_s, ck_f, transpose_B=True, clear_accum=True)
+            T.copy(ck_f, DKd[ic, ih, :, :])
+            # dW = -dV' S^T
+            T.gemm(dvn_s, S_s, ck_f, transpose_B=True, clear_accum=True)
+            for i, d in T.Parallel(C, K):
+                ck_f[i, d] = -ck_f[i, d]
+            T.copy(ck_f, DW[ic, ih, :, :])
+            # deC = rowsum(S * dS')
+            for d in T.Parallel(K):
+                dec_s[d] = T.float32(0)
+                for j in T.serial(V):
+                    dec_s[d] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
+            T.copy(dec_s, DEc[ic, ih, :])
+
+    return kda_bwd_dv
+
+
+def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
+    BS = SUB
+    SUBS = tuple(range(C // BS))
+    op = "bfloat16"  # decayed-product operands: factors up to exp(75) do not fit fp16
+    Hn = T.dynamic("H") if H is None else H
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_bwd_ut(
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        Vx: T.Tensor([TT, Hn, V], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Beta: T.Tensor([TT, Hn], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        W: T.Tensor([NC, Hn, C, K], dtype),
+        U: T.Tensor([NC, Hn, C, V], dtype),
+        DW: T.Tensor([NC, Hn, C, K], dtype),
+        DU: T.Tensor([NC, Hn, C, V], dtype),
+        DV: T.Tensor([TT, Hn, V], dtype),
+        DBeta: T.Tensor([TT, Hn], f32),
+        DB: T.Tensor([NC, Hn, C, C], dtype),
+        DGk: T.Tensor([NC, Hn, C, K], f32),
+    ):
+        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+            gam_s = T.alloc_shared([C, K], f32)
+            k_s = T.alloc_shared([C, K], dtype)
+            beta_s = T.alloc_shared([C], f32)
+            kp_s = T.alloc_shared([BS, K], op)
+            km_s = T.alloc_shared([C, K], op)
+            B_s = T.alloc_shared([C, C], f32)
+            X_s = T.alloc_shared([C, C], f32)
+            Xc_s = T.alloc_shared([C, C], dtype)
+            dw_s = T.alloc_shared([C, K], dtype)
+            du_s = T.alloc_shared([C, V], dtype)
+            w_s = T.alloc_shared([C, K], dtype)
+            u_s = T.alloc_shared([C, V], dtype)
+            dkb_s = T.alloc_shared([C, K], dtype)
+            dvb_s = T.alloc_shared([C, V], dtype)
+            db_s = T.alloc_shared([C], f32)
+            bk_f = T.alloc_fragment([BS, C], f32)
+            dkb_f = T.alloc_fragment([C, K], f32)
+            dvb_f = T.alloc_fragment([C, V], f32)
+            da_f = T.alloc_fragment([C, C], f32)
+            r1_f = T.alloc_fragment([C], f32)
+            r2_f = T.alloc_fragment([C], f32)
+            r3_f = T.alloc_fragment([C], f32)
+
+            for i, d in T.Parallel(C, K):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+            for i in T.Parallel(C):
+                beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+            T.cumsum(src=gam_s, dim=0)
+            T.copy(W[ic, ih, :, :], w_s)
+            T.copy(U[ic, ih, :, :], u_s)
+            T.copy(DW[ic, ih, :, :], dw_s)
+            T.copy(DU[ic, ih, :, :], du_s)
+
+            # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
+            for I in SUBS:
+                for r, d in T.Parallel(BS, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    kp_s[r, d] = T.cast(
+                        T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
+                for j, d in T.Parallel(C, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    km_s[j, d] = T.if_then_else(
+                        j < BS * (I + 1),
+                        T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
+                        T.cast(0, op))
+                T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(BS, C):
+                    B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
+
+            # ---- X = (I + Diag(beta) B)^-1 by forward substitution, one column per thread ----
+            for c in T.Parallel(C):
+                for r in T.serial(C):
+                    X_s[r, c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                    for j in T.serial(r):
+                        X_s[r, c] -= beta_s[r] * B_s[r, j] * X_s[j, c]
+            T.copy(X_s, Xc_s)
+
+            # ---- dKb = X^T dW, dVb = X^T dU ----
+            T.gemm(Xc_s, dw_s, dkb_f, transpose_A=True, clear_accum=True)
+            T.gemm(Xc_s, du_s, dvb_f, transpose_A=True, clear_accum=True)
+            T.copy(dkb_f, dkb_s)
+            T.copy(dvb_f, dvb_s)
+            # ---- dA = -StrictTril(dKb W^T + dVb U^T) ----
+            T.gemm(dkb_s, w_s, da_f, transpose_B=True, clear_accum=True)
+            T.gemm(dvb_s, u_s, da_f, transpose_B=True)
+            for i, j in T.Parallel(C, C):
+                da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], T.float32(0))
+
+            # ---- dv = beta dVb; dGk = beta dKb ----
+            for i, j in T.Parallel(C, V):
+                if bos + i < eos:
+                    DV[bos + i, ih, j] = T.cast(beta_s[i] * dvb_f[i, j], dtype)
+            for i, d in T.Parallel(C, K):
+                DGk[ic, ih, i, d] = beta_s[i] * dkb_f[i, d]
+            # ---- dbeta = <dKb, Gamma k> + <dVb, v> + <dA, B> per row ----
+            for i, d in T.Parallel(C, K):
+                dkb_f[i, d] = dkb_f[i, d] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E)
+            T.reduce_sum(dkb_f, r1_f, dim=1)
+            for i, j in T.Parallel(C, V):
+                dvb_f[i, j] = dvb_f[i, j] * T.if_then_else(
+                    bos + i < eos, T.cast(Vx[bos + i, ih, j], f32), T.float32(0))
+            T.reduce_sum(dvb_f, r2_f, dim=1)
+            for i, j in T.Parallel(C, C):
+                DB[ic, ih, i, j] = T.cast(beta_s[i] * da_f[i, j], dtype)
+            for i, j in T.Parallel(C, C):
+                da_f[i, j] = da_f[i, j] * B_s[i, j]
+            T.reduce_sum(da_f, r3_f, dim=1)
+            for i in T.Parallel(C):
+                db_s[i] = r1_f[i] + r2_f[i] + r3_f[i]
+            for i in T.Parallel(C):
+                if bos + i < eos:
+                    DBeta[bos + i, ih] = db_s[i]
+
+    return kda_bwd_ut
+
+
+def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
+    BS = SUB
+    SUBS = tuple(range(C // BS))
+    op = "bfloat16"
+    Hn = T.dynamic("H") if H is None else H
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_bwd_dk(
+        Q: T.Tensor([TT, Hn, K], dtype),
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        DAqk: T.Tensor([NC, Hn, C, C], dtype),
+        DB: T.Tensor([NC, Hn, C, C], dtype),
+        DQg: T.Tensor([NC, Hn, C, K], f32),
+        DKd: T.Tensor([NC, Hn, C, K], f32),
+        DGk: T.Tensor([NC, Hn, C, K], f32),
+        DEc: T.Tensor([NC, Hn, K], f32),
+        DQ: T.Tensor([TT, Hn, K], dtype),
+        DK: T.Tensor([TT, Hn, K], dtype),
+        DG: T.Tensor([TT, Hn, K], f32),
+    ):
+        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+            gam_s = T.alloc_shared([C, K], f32)
+            dgam_s = T.alloc_shared([C, K], f32)
+            k_s = T.alloc_shared([C, K], dtype)
+            q_s = T.alloc_shared([C, K], dtype)
+            daqk_s = T.alloc_shared([C, C], op)
+            daqkT_s = T.alloc_shared([C, C], op)
+            db_s = T.alloc_shared([C, C], op)
+            dbT_s = T.alloc_shared([C, C], op)
+            km_s = T.alloc_shared([C, K], op)
+            xq_s = T.alloc_shared([C, K], op)
+            xk_s = T.alloc_shared([C, K], op)
+            last_s = T.alloc_shared([K], f32)
+            rq_f = T.alloc_fragment([BS, K], f32)
+            rk_f = T.alloc_fragment([BS, K], f32)
+            cq_f = T.alloc_fragment([BS, K], f32)
+            ck_f = T.alloc_fragment([BS, K], f32)
+
+            for i, d in T.Parallel(C, K):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
+            T.cumsum(src=gam_s, dim=0)
+            for i, j in T.Parallel(C, C):
+                daqk_s[i, j] = T.cast(DAqk[ic, ih, i, j], op)
+                daqkT_s[j, i] = T.cast(DAqk[ic, ih, i, j], op)
+                db_s[i, j] = T.cast(DB[ic, ih, i, j], op)
+                dbT_s[j, i] = T.cast(DB[ic, ih, i, j], op)
+
+            for I in SUBS:
+                # ---- row side: rows of sub-chunk I, reference r_I ----
+                for j, d in T.Parallel(C, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    km_s[j, d] = T.if_then_else(
+                        j < BS * (I + 1),
+                        T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
+                        T.cast(0, op))
+                # ---- column side: columns of sub-chunk I, reference s_I = gamma[16 I + 15] ----
+                for i, d in T.Parallel(C, K):
+                    e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
+                    xq_s[i, d] = T.if_then_else(i >= BS * I, T.cast(T.cast(q_s[i, d], f32) * (e * scale), op),
+                                                T.cast(0, op))
+                    xk_s[i, d] = T.if_then_else(i >= BS * I, T.cast(T.cast(k_s[i, d], f32) * e, op),
+                                                T.cast(0, op))
+                T.gemm(daqk_s[BS * I : BS * I + BS, :], km_s, rq_f, clear_accum=True)
+                T.gemm(db_s[BS * I : BS * I + BS, :], km_s, rk_f, clear_accum=True)
+                T.gemm(daqkT_s[BS * I : BS * I + BS, :], xq_s, cq_f, clear_accum=True)
+                T.gemm(dbT_s[BS * I : BS * I + BS, :], xk_s, ck_f, clear_accum=True)
+                # ---- assembly for rows i = 16 I + r ----
+                for r, d in T.Parallel(BS, K):
+                    i = BS * I + r
+                    gi = gam_s[i, d]
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    rowf = T.exp2((gi - ref) * LOG2E)
+                    colf = T.exp2((gam_s[BS * I + BS - 1, d] - gi) * LOG2E)
+                    Gi = T.exp2(gi * LOG2E)
+                    dec = T.exp2((gam_s[C - 1, d] - gi) * LOG2E)
+                    kv = T.cast(k_s[i, d], f32)
+                    qs = T.cast(q_s[i, d], f32) * scale
+                    dxq = rowf * rq_f[r, d]
+                    dxk = rowf * rk_f[r, d]
+                    dkq = colf * cq_f[r, d]
+                    dkk = colf * ck_f[r, d]
+                    dgk = Gi * DGk[ic, ih, i, d]
+                    dkd = DKd[ic, ih, i, d]
+                    dqs = Gi * DQg[ic, ih, i, d] + dxq
+                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - kv * dec * dkd
+                    if bos + i < eos:
+                        DQ[bos + i, ih, d] = T.cast(dqs * scale, dtype)
+                        DK[bos + i, ih, d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
+
+            # ---- gamma_C terms, then the reverse cumsum over the chunk ----
+            for d in T.Parallel(K):
+                last_s[d] = DEc[ic, ih, d] * T.exp2(gam_s[C - 1, d] * LOG2E)
+                for i in T.serial(C):
+                    last_s[d] += (T.cast(k_s[i, d], f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E)
+                                  * DKd[ic, ih, i, d])
+            for d in T.Parallel(K):
+                dgam_s[C - 1, d] += last_s[d]
+            T.cumsum(src=dgam_s, dim=0, reverse=True)
+            for i, d in T.Parallel(C, K):
+                if bos + i < eos:
+                    DG[bos + i, ih, d] = dgam_s[i, d]
+
+    return kda_bwd_dk
+
+
+@functools.lru_cache(maxsize=None)
+def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, block_k=None,
+                        block_v=None, threads=128, num_stages=1):
+    """Compile kernel "dv" (T, chunks, H dynamic).
+
+    Returns kernel(W[NC,H,C,K], U[NC,H,C,V], Kd[NC,H,C,K], Aqk[NC,H,C,C], Hs[NC,H,K,V],
+    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] f32,
+    dKd[NC,H,C,K] f32, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
+    Tensors without a dtype are in ``dtype``. block_k, block_v, num_stages: unused (whole K, V).
+    """
+    if accum_dtype != "float32":
+        raise ValueError(f"accum_dtype must be float32, got {accum_dtype}")
+    return compile_kernel(_bwd_dv_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads),
+                          name="kda_bwd_dv")
+
+
+@functools.lru_cache(maxsize=None)
+def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, block_k=None,
+                        block_v=None, threads=128, num_stages=1):
+    """Compile kernel "ut", the UT transform's backward (T, chunks, H dynamic).
+
+    Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
+    W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
+    dB[NC,H,C,C], dGk[NC,H,C,K] f32); dv, dbeta (valid rows), dB and dGk are written.
+    """
+    if chunk_size % SUB or accum_dtype != "float32":
+        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
+                         f"{chunk_size}, {accum_dtype}")
+    return compile_kernel(_bwd_ut_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads),
+                          name="kda_bwd_ut")
+
+
+@functools.lru_cache(maxsize=None)
+def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=None,
+                        block_v=None, threads=128, num_stages=1):
+    """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
+
+    ``scale`` is static (part of the cache key, as in the forward). Returns kernel(q[TT,H,K],
+    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] f32,
+    dKd[NC,H,C,K] f32, dGk[NC,H,C,K] f32, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
+    dq, dk, dg are written on valid rows.
+    """
+    if chunk_size % SUB or accum_dtype != "float32":
+        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
+                         f"{chunk_size}, {accum_dtype}")
+    return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads),
+                          name="kda_bwd_dk")
