@@ -177,7 +177,9 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            T.cumsum(src=gam_s, dim=0)
+            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
+                for i in T.serial(C - 1):
+                    gam_s[i + 1, d] += gam_s[i, d]
             T.copy(W[ic, ih, :, :], w_s)
             T.copy(U[ic, ih, :, :], u_s)
             T.copy(DW[ic, ih, :, :], dw_s)
@@ -294,7 +296,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                 gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
                 q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
-            T.cumsum(src=gam_s, dim=0)
+            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
+                for i in T.serial(C - 1):
+                    gam_s[i + 1, d] += gam_s[i, d]
             for i, j in T.Parallel(C, C):
                 daqk_s[i, j] = T.cast(DAqk[ic, ih, i, j], op)
                 daqkT_s[j, i] = T.cast(DAqk[ic, ih, i, j], op)
@@ -351,7 +355,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                                   * DKd[ic, ih, i, d])
             for d in T.Parallel(K):
                 dgam_s[C - 1, d] += last_s[d]
-            T.cumsum(src=dgam_s, dim=0, reverse=True)
+            for d in T.Parallel(K):  # reverse cumsum over the chunk, one thread per channel
+                for i in T.serial(C - 1):
+                    dgam_s[C - 2 - i, d] += dgam_s[C - 1 - i, d]
             for i, d in T.Parallel(C, K):
                 if bos + i < eos:
                     DG[bos + i, ih, d] = dgam_s[i, d]

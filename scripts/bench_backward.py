@@ -1,0 +1,175 @@
+"""Forward+backward time and peak memory of the TileLang KDA kernels, side by side with fla-core.
+
+Usage (on a Hopper GPU):
+    python scripts/bench_backward.py --out bench_backward.json [--shapes S1 S2 S3] [--repeats 10]
+
+For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0, 1);
+do ~ N(0, 1). Measured (median over --repeats of CUDA-event timings, after warm-up):
+
+  kda_cp  fwd_ms        kda_cp.kernels.chunk_kda_fwd alone
+          fwd_bwd_ms    chunk_kda_fwd followed by kda_cp.kernels.backward.chunk_kda_bwd (a training step's
+                        work: the backward recomputes everything from the inputs)
+          bwd_ms        chunk_kda_bwd alone
+          state_grad_ms chunk_kda_state_grad (the CP reverse pass, dht = 0)
+          held_MiB      memory held between forward and backward beyond the inputs (o only: the
+                        forward saves nothing else)
+          peak_MiB      allocator peak during fwd+bwd above the memory in use before it
+  fla     the same for fla.ops.kda.chunk_kda(..., safe_gate=True, lower_bound=-5) under autograd
+          (held_MiB: allocated after the forward minus before, o and saved tensors included)
+
+Also the relative RMS difference of kda_cp's gradients vs fla's (a cross-check, not a test).
+Prints a markdown table and writes JSON to --out.
+"""
+import argparse
+import json
+import statistics
+
+import torch
+
+SHAPES = {
+    "S1": dict(B=1, T=32768, H=32, K=128, V=128),
+    "S2": dict(B=8, T=4096, H=32, K=128, V=128),
+    "S3": dict(B=1, T=131072, H=16, K=128, V=128),
+}
+MiB = 2.0 ** 20
+
+
+def time_ms(fn, repeats, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def peak_above_base(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / MiB
+
+
+def make_inputs(B, T, H, K, V, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    q = r(B, T, H, K).bfloat16()
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1).bfloat16()
+    v = r(B, T, H, V).bfloat16()
+    g = (-5.0 * torch.sigmoid(r(B, T, H, K))).contiguous()
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    do = r(B, T, H, V).bfloat16()
+    return q, k, v, g, beta, do
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def bench_shape(s, repeats, fla_chunk_kda):
+    from kda_cp.kernels import chunk_kda_fwd
+    from kda_cp.kernels.backward import chunk_kda_bwd, chunk_kda_state_grad
+
+    q, k, v, g, beta, do = make_inputs(**s)
+    scale = s["K"] ** -0.5
+    row = dict(s)
+
+    def fwd():
+        return chunk_kda_fwd(q, k, v, g, beta, scale=scale)[0]
+
+    def bwd():
+        return chunk_kda_bwd(q, k, v, g, beta, scale=scale, do=do)
+
+    def step():
+        o = fwd()
+        return o, bwd()
+
+    row["kda_cp"] = dict(
+        fwd_ms=time_ms(fwd, repeats), bwd_ms=time_ms(bwd, repeats), fwd_bwd_ms=time_ms(step, repeats),
+        state_grad_ms=time_ms(lambda: chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do), repeats),
+        held_MiB=v.numel() * v.element_size() / MiB,  # o; the forward saves only its inputs
+        peak_MiB=peak_above_base(step))
+    ours = bwd()
+    if fla_chunk_kda is not None:
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+        def fla_fwd():
+            return fla_chunk_kda(*leaves, scale=scale, safe_gate=True, lower_bound=-5.0)[0]
+
+        def fla_step():
+            for x in leaves:
+                x.grad = None
+            o = fla_fwd()
+            o.backward(do)
+            return o
+
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        o = fla_fwd()
+        torch.cuda.synchronize()
+        held = (torch.cuda.memory_allocated() - before) / MiB
+        del o
+        with torch.no_grad():
+            f_ms = time_ms(lambda: fla_chunk_kda(q, k, v, g, beta, scale=scale, safe_gate=True,
+                                                 lower_bound=-5.0), repeats)
+        row["fla"] = dict(fwd_ms=f_ms, fwd_bwd_ms=time_ms(fla_step, repeats), held_MiB=held,
+                          peak_MiB=peak_above_base(fla_step))
+        fla_step()
+        row["rel_rms_vs_fla"] = {n: rel(a, x.grad) for n, a, x in zip(("dq", "dk", "dv", "dg", "dbeta"),
+                                                                       ours[:5], leaves)}
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_backward.json")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except Exception as e:
+        fla_chunk_kda = None
+        print(f"fla-core not importable ({type(e).__name__}: {e}); skipping the peer")
+    dev = torch.cuda.get_device_name()
+    results = {"device": dev, "torch": torch.__version__, "shapes": {}}
+    for name in args.shapes:
+        try:
+            row = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda)
+        except Exception as e:  # e.g. out of memory: report and go on
+            row = dict(SHAPES[name], error=f"{type(e).__name__}: {str(e)[:300]}")
+        results["shapes"][name] = row
+        print(name, json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+    print(f"\nForward+backward, bf16, gates bounded at -5, {dev}, median of {args.repeats}\n")
+    print("| shape | kda_cp fwd+bwd ms | fla fwd+bwd ms | fla / kda_cp | kda_cp bwd ms | state_grad ms "
+          "| kda_cp peak MiB | fla peak MiB | fla held MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results["shapes"].items():
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][:80]} |")
+            continue
+        a, f = r["kda_cp"], r.get("fla")
+        fl = lambda key, fmt="{:.3f}": fmt.format(f[key]) if f else "-"  # noqa: E731
+        ratio = f"{f['fwd_bwd_ms'] / a['fwd_bwd_ms']:.2f}x" if f else "-"
+        print(f"| {name} | {a['fwd_bwd_ms']:.3f} | {fl('fwd_bwd_ms')} | {ratio} | {a['bwd_ms']:.3f} | "
+              f"{a['state_grad_ms']:.3f} | {a['peak_MiB']:.0f} | {fl('peak_MiB', '{:.0f}')} | "
+              f"{fl('held_MiB', '{:.0f}')} |")
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
