@@ -92,7 +92,7 @@ class OptimConfig:
 class TrainerConfig:
     """Loop length, evaluation, logging and output."""
 
-    max_steps: int = 300
+    max_steps: int = 200
     """Optimizer steps."""
     val_every: int = 100
     """Evaluate on the validation split every N steps (and always at the end); 0: only at the end."""
