@@ -25,15 +25,21 @@ kernel "dk"   (build_bwd_dk_kernel: the decayed products' backward and the assem
     dgamma_C += sum_i Kd_i dKd_i + eC deC;   dg = reverse cumsum of dgamma over the chunk
 
 Numerics: cumsums, exponentials, the triangular solve and every elementwise combination in fp32;
-GEMM operands in the input dtype, except the decayed products' operands, which are bf16 (their
-factors reach exp(75), beyond fp16); fp32 accumulation. Rows past a sequence end are read as zero
-and never written.
+GEMM operands in the input dtype with fp32 accumulation, except in two places. The forward
+recompute of B in "ut" takes bf16 operands (its factors reach exp(75), beyond fp16), as the forward
+does. The decayed products' backward in "dk" is fp32-accurate: dM (bf16/fp16, exact in TF32) times
+the fp32 factor split into TF32 head + tail (2xTF32). It must be: dg is a reverse cumsum of
+dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the pairs
+that straddle the position; with bf16 factors the uncancelled rounding alone gave dg a relative
+RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror with bf16-rounded
+factors), against ~2e-3 with fp32-accurate factors. Rows past a sequence end are read as zero and
+never written.
 """
 import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, tl_dtype
+from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -251,7 +257,6 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
 def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
     BS = SUB
     SUBS = tuple(range(C // BS))
-    op = "bfloat16"
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -279,13 +284,15 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
             dgam_s = T.alloc_shared([C, K], f32)
             k_s = T.alloc_shared([C, K], dtype)
             q_s = T.alloc_shared([C, K], dtype)
-            daqk_s = T.alloc_shared([C, C], op)
-            daqkT_s = T.alloc_shared([C, C], op)
-            db_s = T.alloc_shared([C, C], op)
-            dbT_s = T.alloc_shared([C, C], op)
-            km_s = T.alloc_shared([C, K], op)
-            xq_s = T.alloc_shared([C, K], op)
-            xk_s = T.alloc_shared([C, K], op)
+            # dM slices of sub-chunk I, fp32 (bf16/fp16 values are exact in TF32): rows of dAqk and
+            # dB, and their columns (transposed)
+            aq_s = T.alloc_shared([BS, C], f32)
+            ab_s = T.alloc_shared([BS, C], f32)
+            aqT_s = T.alloc_shared([BS, C], f32)
+            abT_s = T.alloc_shared([BS, C], f32)
+            # factor operand, transposed (K-major for TF32), split into TF32 head and tail
+            fh_s = T.alloc_shared([K, C], f32)
+            fl_s = T.alloc_shared([K, C], f32)
             last_s = T.alloc_shared([K], f32)
             rq_f = T.alloc_fragment([BS, K], f32)
             rk_f = T.alloc_fragment([BS, K], f32)
@@ -299,31 +306,41 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
             for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
                 for i in T.serial(C - 1):
                     gam_s[i + 1, d] += gam_s[i, d]
-            for i, j in T.Parallel(C, C):
-                daqk_s[i, j] = T.cast(DAqk[ic, ih, i, j], op)
-                daqkT_s[j, i] = T.cast(DAqk[ic, ih, i, j], op)
-                db_s[i, j] = T.cast(DB[ic, ih, i, j], op)
-                dbT_s[j, i] = T.cast(DB[ic, ih, i, j], op)
 
             for I in SUBS:
-                # ---- row side: rows of sub-chunk I, reference r_I ----
-                for j, d in T.Parallel(C, K):
+                for r, j in T.Parallel(BS, C):
+                    aq_s[r, j] = T.cast(DAqk[ic, ih, BS * I + r, j], f32)
+                    ab_s[r, j] = T.cast(DB[ic, ih, BS * I + r, j], f32)
+                    aqT_s[r, j] = T.cast(DAqk[ic, ih, j, BS * I + r], f32)
+                    abT_s[r, j] = T.cast(DB[ic, ih, j, BS * I + r], f32)
+                # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
+                for d, j in T.Parallel(K, C):
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
-                    km_s[j, d] = T.if_then_else(
+                    x = T.if_then_else(
                         j < BS * (I + 1),
-                        T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
-                        T.cast(0, op))
-                # ---- column side: columns of sub-chunk I, reference s_I = gamma[16 I + 15] ----
-                for i, d in T.Parallel(C, K):
+                        T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E),
+                        T.float32(0))
+                    fh_s[d, j] = tf32_hi(x)
+                    fl_s[d, j] = x - tf32_hi(x)
+                T.gemm(aq_s, fh_s, rq_f, transpose_B=True, clear_accum=True)
+                T.gemm(aq_s, fl_s, rq_f, transpose_B=True)
+                T.gemm(ab_s, fh_s, rk_f, transpose_B=True, clear_accum=True)
+                T.gemm(ab_s, fl_s, rk_f, transpose_B=True)
+                # ---- column side: columns of sub-chunk I; factor x_i exp(gamma_i - s_I), i >= 16 I ----
+                for d, i in T.Parallel(K, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
-                    xq_s[i, d] = T.if_then_else(i >= BS * I, T.cast(T.cast(q_s[i, d], f32) * (e * scale), op),
-                                                T.cast(0, op))
-                    xk_s[i, d] = T.if_then_else(i >= BS * I, T.cast(T.cast(k_s[i, d], f32) * e, op),
-                                                T.cast(0, op))
-                T.gemm(daqk_s[BS * I : BS * I + BS, :], km_s, rq_f, clear_accum=True)
-                T.gemm(db_s[BS * I : BS * I + BS, :], km_s, rk_f, clear_accum=True)
-                T.gemm(daqkT_s[BS * I : BS * I + BS, :], xq_s, cq_f, clear_accum=True)
-                T.gemm(dbT_s[BS * I : BS * I + BS, :], xk_s, ck_f, clear_accum=True)
+                    x = T.if_then_else(i >= BS * I, T.cast(q_s[i, d], f32) * (e * scale), T.float32(0))
+                    fh_s[d, i] = tf32_hi(x)
+                    fl_s[d, i] = x - tf32_hi(x)
+                T.gemm(aqT_s, fh_s, cq_f, transpose_B=True, clear_accum=True)
+                T.gemm(aqT_s, fl_s, cq_f, transpose_B=True)
+                for d, i in T.Parallel(K, C):
+                    e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
+                    x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
+                    fh_s[d, i] = tf32_hi(x)
+                    fl_s[d, i] = x - tf32_hi(x)
+                T.gemm(abT_s, fh_s, ck_f, transpose_B=True, clear_accum=True)
+                T.gemm(abT_s, fl_s, ck_f, transpose_B=True)
                 # ---- assembly for rows i = 16 I + r ----
                 for r, d in T.Parallel(BS, K):
                     i = BS * I + r
