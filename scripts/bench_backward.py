@@ -100,6 +100,7 @@ def bench_shape(s, repeats, fla_chunk_kda):
         state_grad_ms=time_ms(lambda: chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do), repeats),
         held_MiB=v.numel() * v.element_size() / MiB,  # o; the forward saves only its inputs
         peak_MiB=peak_above_base(step))
+    print("kda_cp", json.dumps(row["kda_cp"]), flush=True)
     ours = bwd()
     if fla_chunk_kda is not None:
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
@@ -136,12 +137,14 @@ def main():
     ap.add_argument("--out", default="bench_backward.json")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla-core peer")
     args = ap.parse_args()
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-    except Exception as e:
-        fla_chunk_kda = None
-        print(f"fla-core not importable ({type(e).__name__}: {e}); skipping the peer")
+    fla_chunk_kda = None
+    if not args.no_fla:
+        try:
+            from fla.ops.kda import chunk_kda as fla_chunk_kda
+        except Exception as e:
+            print(f"fla-core not importable ({type(e).__name__}: {e}); skipping the peer")
     dev = torch.cuda.get_device_name()
     results = {"device": dev, "torch": torch.__version__, "shapes": {}}
     for name in args.shapes:
