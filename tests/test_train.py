@@ -48,9 +48,9 @@ def _cfg(overrides):
         return compose(config_name="config", overrides=overrides)
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _losses(run_dir: Path, key: str = "loss") -> list[float]:
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m["loss"] for m in lines if "loss" in m]
+    return [m[key] for m in lines if key in m]
 
 
 def _in_process(run_dir: Path, extra=()):
@@ -127,3 +127,7 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
     for a, b in zip(ref, got):
         assert abs(a - b) / abs(a) < 1e-4, (ref, got)
     assert ref[0] != ref[2]  # the model did train between the compared steps
+    # AdamW and clipping hide a wrong gradient scale from the loss; the global grad norm does not.
+    ref_gn, got_gn = _losses(tmp_path / "single", "grad_norm"), _losses(tmp_path / "multi", "grad_norm")
+    for a, b in zip(ref_gn, got_gn):
+        assert abs(a - b) / abs(a) < 1e-4, (ref_gn, got_gn)
