@@ -313,11 +313,14 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         cfg: a TrainConfig, or a DictConfig of its schema (converted once with OmegaConf.to_object).
 
     Raises:
-        ValueError: parallel.cp does not divide the world size, or a bad config value.
+        ValueError: parallel.cp does not divide the world size, trainer.resume without
+            trainer.run_dir, or a bad config value.
         FloatingPointError: the loss became NaN/Inf (on every rank at the same step).
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
+    if cfg.trainer.resume and cfg.trainer.run_dir is None:
+        raise ValueError("trainer.resume=true needs trainer.run_dir (the run to continue)")
     t_start, cpu_start = time.perf_counter(), time.process_time()
     layout = init_distributed(cfg.parallel)
     if layout.rank != 0:

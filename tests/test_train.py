@@ -76,9 +76,11 @@ def test_layout():
         train_script.build_layout(world_size=4, rank=0, cp=3, device=torch.device("cpu"))
 
 
-def test_cp_must_divide_world():
+def test_bad_train_config():
     with pytest.raises(ValueError, match="parallel.cp=2"):
         train_script.train(_cfg(TINY + ["parallel.cp=2"]))
+    with pytest.raises(ValueError, match="trainer.run_dir"):
+        train_script.train(_cfg(TINY + ["trainer.resume=true"]))
 
 
 def test_tiny_run_writes_outputs(tmp_path):
