@@ -2,7 +2,8 @@
 
 Marker ``compile``. Skipped when tilelang or nvcc is absent. Builds each backward factory at the
 configurations kda_cp.kernels.backward launches (K = V in {64, 128}; bf16, and fp16 at K = 64;
-the state kernel with and without stored states) and checks that the large GEMMs use wgmma.
+the state kernel with and without stored states), checks that the large GEMMs use wgmma and that
+the "dk" kernel's GEMMs are TF32 (its 2xTF32 split is what keeps dg accurate).
 """
 import shutil
 
@@ -41,7 +42,10 @@ def test_bwd_ut_compiles(K, dtype):
 @pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
 def test_bwd_dk_compiles(K, dtype):
     src = build_bwd_dk_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
-    assert "kda_bwd_dk" in src
+    # the decayed products' backward must stay fp32-accurate (2xTF32): with bf16 or fp16 operands
+    # dg loses its pairwise cancellation (relative RMS ~6e-2 instead of ~2e-3 on an H200)
+    assert "kTensorFloat32" in src
+    assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
 
 
 def test_factory_rejects_bad_config():
