@@ -198,8 +198,8 @@ class TorchBackend(Backend):
         return dh0
 
 
-class TileLangBackend(TorchBackend):
-    """TileLang kernels for the forward and the shard summary; the rest from the torch backend."""
+class TileLangBackend(Backend):
+    """The TileLang kernels of :mod:`kda_cp.kernels` (forward, summary, backward, state gradient)."""
 
     name = "tilelang"
 
@@ -208,20 +208,29 @@ class TileLangBackend(TorchBackend):
 
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
         return self.kernels.chunk_kda_fwd(
-            q, k, v, g, beta, scale=opts.scale, initial_state=h0, output_final_state=True,
+            q, k, v, g, beta, scale=opts.scale, initial_state=h0.float().contiguous(), output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
         )
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
-        _warn_once("The TileLang backward is not written yet: KDA gradients are recomputed with the torch backend.")
-        return super().bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens)
+        from kda_cp.kernels.backward import chunk_kda_bwd
+
+        if do is None:  # only the final state was used downstream
+            do = torch.zeros(*q.shape[:3], v.shape[-1], device=q.device, dtype=q.dtype)
+        return Grads(*chunk_kda_bwd(
+            q, k, v, g, beta, scale=opts.scale, initial_state=h0.float().contiguous(),
+            do=do.to(q.dtype).contiguous(), dht=None if dht is None else dht.float().contiguous(),
+            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
+        ))
 
     def summary(self, k, v, g, beta, opts):
         return self.kernels.chunk_kda_summary(k, v, g, beta, chunk_size=opts.chunk_size, g_min=opts.g_min)
 
     def state_grad(self, q, k, v, g, beta, do, opts):
-        _warn_once("The TileLang backward is not written yet: KDA gradients are recomputed with the torch backend.")
-        return super().state_grad(q, k, v, g, beta, do, opts)
+        from kda_cp.kernels.backward import chunk_kda_state_grad
+
+        return chunk_kda_state_grad(q, k, v, g, beta, scale=opts.scale, do=do.to(q.dtype).contiguous(),
+                                    chunk_size=opts.chunk_size, g_min=opts.g_min)
 
 
 @functools.lru_cache(maxsize=None)

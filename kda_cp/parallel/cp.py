@@ -30,7 +30,7 @@ from kda_cp.ops import Backend, BackendName, KDAOptions, check_inputs, chunk_kda
 from kda_cp.parallel.exchange import agree_or_raise, all_gather_stack, group_rank_and_size, p2p_exclusive_scan
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
 
-__all__ = ["cp_chunk_kda", "Exchange", "choose_exchange"]
+__all__ = ["cp_chunk_kda", "cp_chunk_kda_in_one_process", "Exchange", "choose_exchange"]
 
 Exchange = Literal["auto", "allgather", "p2p"]
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -107,90 +107,128 @@ def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return x
 
 
+# ---- the stages of one shard, shared by the distributed op and the one-process driver ----------
+
+
+def _shard_pair(backend, opts, plan, k, v, g, beta, h0) -> scan.AffineMap:
+    """Forward 1: the shard's map of the chain state (constant when its last segment starts here)."""
+    last = [_slice_last(x, plan) for x in (k, v, g, beta)]
+    M, St = backend.summary(*last, opts)
+    sdt = M.dtype
+    if plan.chained:
+        return scan.AffineMap(M, St.to(sdt))
+    h0_last = h0 if plan.segs is None else h0[plan.segs.seq_ids[-1]][None]
+    return scan.AffineMap(torch.zeros_like(M), M @ h0_last.to(sdt) + St.to(sdt))
+
+
+def _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in):
+    """Forward 3: the local chunk forward from the true incoming states -> (o, ht, h0_local)."""
+    h0_local = _local_h0(h0, s_in, plan)
+    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local)
+    return o, ht, h0_local
+
+
+def _final_rows(plan, ht, h0) -> torch.Tensor:
+    """This shard's share of the final states: the rows of the sequences that end here."""
+    if plan.segs is None:
+        return ht.to(h0.dtype) if plan.rank == plan.size - 1 else torch.zeros_like(h0)
+    final = h0.new_zeros(plan.varlen_final_rows, *h0.shape[1:])
+    for i, s in enumerate(plan.segs.seq_ids):
+        if plan.segs.ends[i]:
+            final[s] = ht[i].to(h0.dtype)
+    return final
+
+
+def _inner_dht(plan, dfinal, h0_local) -> torch.Tensor:
+    """dht of each local segment from the final-state gradients; the last row is set later."""
+    dht = torch.zeros_like(h0_local)
+    if dfinal is not None and plan.segs is not None:
+        for i, s in enumerate(plan.segs.seq_ids[:-1]):
+            dht[i] = dfinal[s]
+    return dht
+
+
+def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal) -> torch.Tensor:
+    """Backward 1: G, the gradient of the shard's incoming chain state from this shard alone."""
+    segs, sdt = plan.segs, h0_local.dtype
+    G = torch.zeros_like(h0_local[:1] if segs is not None else h0_local)
+    if plan.first_continues:
+        if segs is None or segs.num_segments == 1:
+            G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
+        else:  # the first segment ends inside the shard, with its sequence's final-state gradient
+            n = segs.cu_seqlens[1]
+            G = backend.bwd(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], h0_local[:1],
+                            do[:, :n], dht[:1], opts).dh0.to(sdt)
+    # A sequence that ends exactly where this shard begins hands its final-state gradient to the
+    # chain through this shard's map (whose M is then zero).
+    if dfinal is not None and segs is not None and plan.rank > 0 and not segs.first_continues:
+        G = G + dfinal[segs.seq_ids[0] - 1][None]
+    return G
+
+
+def _end_dht(plan, suffix, dfinal, dht, like) -> torch.Tensor:
+    """Backward 2: the gradient at the shard's end, D_r = suffix_r(seed), put into dht."""
+    seed = torch.zeros_like(like)
+    if dfinal is not None:
+        seed = dfinal if plan.segs is None else dfinal[-1:]
+    d_end = scan.apply(suffix, seed)
+    if plan.segs is None:
+        return d_end
+    dht = dht.clone()
+    dht[-1:] = d_end
+    return dht
+
+
+def _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht):
+    """Backward 3: the local chunk backward -> (grads, this shard's rows of dh0 or None)."""
+    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local)
+    if not plan.has_h0:
+        return grads, None
+    sdt = h0_local.dtype
+    if plan.segs is None:
+        rows = grads.dh0.to(sdt) if plan.rank == 0 else torch.zeros_like(grads.dh0, dtype=sdt)
+    else:
+        rows = h0_local.new_zeros(plan.varlen_final_rows, *h0_local.shape[1:])
+        for i, s in enumerate(plan.segs.seq_ids):
+            if plan.segs.starts[i]:
+                rows[s] = grads.dh0[i].to(sdt)
+    return grads, rows
+
+
 class CPChunkKDAFunction(torch.autograd.Function):
     """Autograd of cp_chunk_kda. Collectives run in forward and backward on every rank."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
-        last = [_slice_last(x, plan) for x in (k, v, g, beta)]
-        M, St = backend.summary(*last, opts)
-        sdt = M.dtype
-        h0 = h0.to(sdt)
-        if plan.chained:
-            pair = scan.AffineMap(M, St.to(sdt))
-        else:  # the last segment starts a sequence here: the shard's end state is a constant
-            h0_last = h0 if plan.segs is None else h0[plan.segs.seq_ids[-1]][None]
-            pair = scan.AffineMap(torch.zeros_like(M), M @ h0_last + St.to(sdt))
+        pair = _shard_pair(backend, opts, plan, k, v, g, beta, h0)
+        h0 = h0.to(pair.M.dtype)
         s_in = _exclusive(pair, plan, group, reverse=False).S  # the prefix's M multiplies a don't-care
-        h0_local = _local_h0(h0, s_in, plan)
-        cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
-        o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local)
+        o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in)
         ctx.save_for_backward(q, k, v, g, beta, h0_local)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
         if not opts.output_final_state:
             return o, None
         # Final states: each sequence's row is filled by the rank where it ends, then summed.
-        if plan.segs is None:
-            final = ht.to(sdt) if plan.rank == plan.size - 1 else torch.zeros_like(h0)
-        else:
-            final = h0.new_zeros(plan.varlen_final_rows, *h0.shape[1:])
-            for i, s in enumerate(plan.segs.seq_ids):
-                if plan.segs.ends[i]:
-                    final[s] = ht[i].to(sdt)
-        return o, _sum_over_ranks(final, group, plan.size)
+        return o, _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0_local = ctx.saved_tensors
         group, backend, opts, plan = ctx.group, ctx.backend, ctx.opts, ctx.plan
-        sdt = h0_local.dtype
-        segs = plan.segs
         if opts.output_final_state and dfinal is not None:
             # The final states are replicated on every rank: their gradient is the sum over ranks.
-            dfinal = _sum_over_ranks(dfinal.to(sdt), group, plan.size)
+            dfinal = _sum_over_ranks(dfinal.to(h0_local.dtype), group, plan.size)
         else:
             dfinal = None
-        # dht of each local segment, except the last one's which comes from the scan.
-        dht = torch.zeros_like(h0_local)
-        if dfinal is not None and segs is not None:
-            for i, s in enumerate(segs.seq_ids[:-1]):
-                dht[i] = dfinal[s]
-        cu_local = None if segs is None else segs.local_cu_seqlens(q.device)
-        # 1. G: gradient of the incoming state from this shard alone (no gradient at its end).
-        G = torch.zeros_like(h0_local[:1] if segs is not None else h0_local)
-        if plan.first_continues:
-            if segs is None or segs.num_segments == 1:
-                G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
-            else:  # the first segment ends inside the shard, with its sequence's final-state gradient
-                n = segs.cu_seqlens[1]
-                G = backend.bwd(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], h0_local[:1],
-                                do[:, :n], dht[:1], opts).dh0.to(sdt)
-        # A sequence that ends exactly where the next rank's shard begins hands its final-state
-        # gradient to the chain through the next rank's map (whose M is then zero).
-        if dfinal is not None and segs is not None and plan.rank > 0 and not segs.first_continues:
-            G = G + dfinal[segs.seq_ids[0] - 1][None]
-        # 2. D_r: the reverse scan of x -> M_j^T x + G_j, seeded with the last sequence's dfinal.
+        dht = _inner_dht(plan, dfinal, h0_local)
+        G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal)
         suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
-        seed = torch.zeros_like(G)
-        if dfinal is not None:
-            seed = dfinal if segs is None else dfinal[-1:]
-        d_end = scan.apply(suffix, seed)
-        if segs is None:
-            dht = d_end
-        else:
-            dht[-1:] = d_end
-        # 3. The ordinary local backward from the true incoming states.
-        grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local)
-        dh0 = None
-        if plan.has_h0:
+        dht = _end_dht(plan, suffix, dfinal, dht, G)
+        grads, dh0 = _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht)
+        if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.
-            if segs is None:
-                dh0 = grads.dh0.to(sdt) if plan.rank == 0 else torch.zeros_like(grads.dh0, dtype=sdt)
-            else:
-                dh0 = h0_local.new_zeros(plan.varlen_final_rows, *h0_local.shape[1:])
-                for i, s in enumerate(segs.seq_ids):
-                    if segs.starts[i]:
-                        dh0[s] = grads.dh0[i].to(sdt)
             dh0 = _sum_over_ranks(dh0, group, plan.size)
         return (
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
@@ -305,3 +343,96 @@ def cp_chunk_kda(
     n_states = B if segs is None else n_rows
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state
     return CPChunkKDAFunction.apply(q, k, v, g, beta, h0, cp_group, impl, opts, plan)
+
+
+@torch.no_grad()
+def cp_chunk_kda_in_one_process(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    world_size: int,
+    lengths: list[int] | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    do: torch.Tensor | None = None,
+    dfinal: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: BackendName = "auto",
+    scan_method: scan.ScanMethod = "log_depth",
+    g_min: float | None = -5.0,
+):
+    """Run the CP algorithm for all ``world_size`` shards of a global sequence in one process.
+
+    The same per-shard stages as :func:`cp_chunk_kda` (summary, scan, local forward; state
+    gradient, reverse scan, local backward), with the exchange replaced by stacking the shards'
+    pairs. For checking the CP path of the GPU kernels on one device, and for benchmarks.
+
+    Args:
+        q, k, v, g, beta: the GLOBAL tensors ([B, T, H, *]); shards are cut by ``lengths`` (default
+            the even split of :func:`kda_cp.parallel.shard_bounds`).
+        cu_seqlens, initial_state, output_final_state, scale, chunk_size, backend, g_min: as in
+            :func:`cp_chunk_kda`.
+        do, dfinal: gradients of o and of the final states; when ``do`` is given the backward runs.
+
+    Returns:
+        (o [B, T, H, V], final_state or None, grads or None) with grads = (dq, dk, dv, dg, dbeta,
+        dh0) of <o, do> + <final_state, dfinal>; dh0 is None without an initial state.
+
+    Raises:
+        ValueError: as :func:`kda_cp.chunk_kda` for the global inputs, and for bad lengths.
+    """
+    from kda_cp.parallel.sharding import shard_bounds
+
+    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
+    check_inputs(q, k, v, g, beta, initial_state, cu, chunk_size, True, g_min)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    bounds = shard_bounds(T, world_size, lengths)
+    if any(b <= a for a, b in bounds):
+        raise ValueError(f"every shard must hold at least one token, got bounds {bounds}")
+    opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
+                      output_final_state=output_final_state, g_min=g_min)
+    impl = get_backend(backend, q, k, v, g, beta, None, g_min)
+    cs = None if cu is None else check_cu_seqlens(cu, T)
+    n_rows = 0 if cs is None else len(cs) - 1
+    plans = [
+        _Plan(r, world_size, None if cs is None else shard_segments(cs, a, b), "allgather", scan_method,
+              initial_state is not None, n_rows)
+        for r, (a, b) in enumerate(bounds)
+    ]
+    sdt = reference._compute_dtype(q.dtype)
+    h0 = q.new_zeros(B if cs is None else n_rows, H, K, V, dtype=sdt) if initial_state is None else initial_state.to(sdt)
+
+    def shard(x, r):
+        a, b = bounds[r]
+        return x[:, a:b].contiguous()
+
+    ins = [[shard(x, r) for x in (q, k, v, g, beta)] for r in range(world_size)]
+    pairs = [_shard_pair(impl, opts, plans[r], *ins[r][1:], h0) for r in range(world_size)]
+    prefix = scan.exclusive_scan(scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs])),
+                                 scan_method)
+    outs = [_shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r]) for r in range(world_size)]
+    o = torch.cat([x[0] for x in outs], dim=1)
+    final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
+    if do is None:
+        return o, final, None
+    dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
+    dos = [shard(do, r) for r in range(world_size)]
+    dhts = [_inner_dht(plans[r], dfin, outs[r][2]) for r in range(world_size)]
+    Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin) for r in range(world_size)]
+    suffix = scan.reverse_transposed_exclusive_scan(
+        scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs)), scan_method)
+    grads, dh0 = [], None
+    for r in range(world_size):
+        dht = _end_dht(plans[r], scan.AffineMap(suffix.M[r], suffix.S[r]), dfin, dhts[r], Gs[r])
+        gr, rows = _shard_backward(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dht)
+        grads.append(gr)
+        if rows is not None:
+            dh0 = rows if dh0 is None else dh0 + rows
+    cat = [torch.cat([getattr(gr, name) for gr in grads], dim=1) for name in ("dq", "dk", "dv", "dg", "dbeta")]
+    return o, final, (*cat, dh0)
