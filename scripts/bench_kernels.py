@@ -51,6 +51,62 @@ def make_inputs(B, T, H, K, V, seed=0):
     return q, k, v, g, beta
 
 
+def profile(shape, fwd, summary, calls=5):
+    """CUDA time per kernel, averaged over `calls` calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    q, k, v, g, beta = make_inputs(**shape)
+    scale = shape["K"] ** -0.5
+    for name, fn in (("fwd", lambda: fwd(q, k, v, g, beta, scale=scale)),
+                     ("summary", lambda: summary(k, v, g, beta))):
+        fn()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- {name} {shape}: CUDA time per call")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            print(f"  {e.key[:60]:60s} {e.device_time_total / calls / 1000:8.3f} ms")
+
+
+def sweep(shape, repeats):
+    """Each stage kernel alone, over the tile configs compiled into the cache (tuning aid)."""
+    from kda_cp.kernels._common import build_chunk_tables
+    from kda_cp.kernels.intra import build_intra_kernel
+    from kda_cp.kernels.state import build_state_output_kernel
+
+    B, T, H, K, V = (shape[x] for x in "BTHKV")
+    q, k, v, g, beta = make_inputs(**shape)
+    C = 64
+    tab = build_chunk_tables(B, T, None, C, q.device)
+    NC = tab.num_chunks
+    e = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="cuda", dtype=dt)  # noqa: E731
+    W, U, Qg, Kd, Aqk = e(NC, H, C, K), e(NC, H, C, V), e(NC, H, C, K), e(NC, H, C, K), e(NC, H, C, C)
+    Ec = e(NC, H, K, dt=torch.float32)
+    args = (q.view(-1, H, K), k.view(-1, H, K), v.view(-1, H, V), g.view(-1, H, K), beta.view(-1, H),
+            tab.chunk_table, W, U, Qg, Kd, Aqk, Ec)
+    for threads in (128,):
+        try:
+            ker = build_intra_kernel(None, K, V, C, "bfloat16", scale=K ** -0.5, threads=threads)
+            print(f"intra threads={threads}: {time_ms(lambda: ker(*args), repeats):.3f} ms", flush=True)
+        except Exception as ex:
+            print(f"intra threads={threads}: failed {type(ex).__name__}: {str(ex)[:200]}")
+    o = torch.empty_like(v)
+    h = torch.empty(B, H, K, V, device="cuda")
+    for bv in (16, 32, 64):
+        for st in (1, 2, 3):
+            try:
+                ker = build_state_output_kernel(None, K, V, C, "bfloat16", with_h0=False, store_ht=False,
+                                                block_v=bv, num_stages=st)
+                t = time_ms(lambda: ker(W, U, Qg, Kd, Aqk, Ec, tab.seq_table, h, o.view(-1, H, V), h),
+                            repeats)
+                print(f"state block_v={bv} num_stages={st}: {t:.3f} ms", flush=True)
+            except Exception as ex:
+                print(f"state block_v={bv} num_stages={st}: failed {type(ex).__name__}: {str(ex)[:200]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_kernels.json")
@@ -58,6 +114,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--torch-repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch backend")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the stage kernels alone over tile configs at the first shape")
+    ap.add_argument("--profile", action="store_true",
+                    help="print torch.profiler CUDA time per kernel (kda_cp fwd and summary, first shape)")
     args = ap.parse_args()
 
     from kda_cp.kernels import chunk_kda_fwd, chunk_kda_summary
@@ -77,6 +137,10 @@ def main():
         except Exception as e:
             print(f"kda_cp.ops torch backend not importable ({type(e).__name__}: {e}); skipping")
 
+    if args.profile:
+        profile(SHAPES[args.shapes[0]], chunk_kda_fwd, chunk_kda_summary)
+    if args.sweep:
+        sweep(SHAPES[args.shapes[0]], args.repeats)
     dev = torch.cuda.get_device_name()
     results = {"device": dev, "torch": torch.__version__, "shapes": {}}
     for name in args.shapes:

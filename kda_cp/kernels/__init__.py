@@ -35,7 +35,7 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
 
     Returns:
         (True, "") or (False, reason). Covered: CUDA tensors on a Hopper GPU (sm_90), q/k/v in
-        bf16 or fp16 with K = V in {64, 128}, g fp32, beta fp32 or q's dtype, B == 1 when
+        bf16 or fp16 with K == V in {64, 128} (K != V is not tested, so not claimed), g fp32, beta fp32 or q's dtype, B == 1 when
         cu_seqlens is given, tilelang importable.
     """
     try:
@@ -52,8 +52,10 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
         return False, f"g dtype {g.dtype}: need float32"
     if beta.dtype not in (torch.float32, q.dtype):
         return False, f"beta dtype {beta.dtype}: need float32 or {q.dtype}"
-    if q.dim() != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS or v.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dims q {tuple(q.shape)}, v {tuple(v.shape)}: need K, V in {SUPPORTED_HEAD_DIMS}"
+    if (q.dim() != 4 or v.dim() != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS
+            or v.shape[-1] != q.shape[-1]):
+        return False, (f"head dims q {tuple(q.shape)}, v {tuple(v.shape)}: need K == V in "
+                       f"{SUPPORTED_HEAD_DIMS}")
     if cu_seqlens is not None and q.shape[0] != 1:
         return False, f"cu_seqlens needs B == 1, got q {tuple(q.shape)}"
     return True, ""
@@ -69,18 +71,18 @@ def _check(name, t, shape, dtypes):
 
 
 def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q and v must be 4-D, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     B, T, H, K = q.shape
-    V = v.shape[-1] if v.dim() == 4 else -1
+    V = v.shape[-1]
     _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES)
     _check("k", k, (B, T, H, K), (q.dtype,))
     _check("v", v, (B, T, H, V), (q.dtype,))
     _check("g", g, (B, T, H, K), (torch.float32,))
     _check("beta", beta, (B, T, H), (torch.float32, q.dtype))
-    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dims K={K}, V={V} not in {SUPPORTED_HEAD_DIMS} (q {tuple(q.shape)}, "
-                         f"v {tuple(v.shape)})")
+    if K not in SUPPORTED_HEAD_DIMS or V != K:
+        raise ValueError(f"head dims K={K}, V={V}: need K == V in {SUPPORTED_HEAD_DIMS} "
+                         f"(q {tuple(q.shape)}, v {tuple(v.shape)})")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     if not (-5.0 <= g_min < 0.0):

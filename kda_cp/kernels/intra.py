@@ -35,19 +35,71 @@ import tilelang.language as T
 from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
 
 
+def _solve_macros(C, K, f32):
+    """TileLang macros shared by both chunk-local kernels (fp32, CUDA cores).
+
+    load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, one thread
+        per key channel scanning the 64 rows in a register; rows past eos count as g = 0.
+    solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
+        Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
+        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]).
+    """
+    BS = SUB
+    NSUB = C // BS
+    R16 = tuple(range(BS))
+
+    RC = tuple(range(C))
+
+    @T.macro
+    def load_cumsum(G, bos, eos, ih, gam_s):
+        T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
+        for d in T.Parallel(K):
+            acc = T.alloc_var(f32, init=0)
+            for i in RC:
+                acc += T.if_then_else(bos + i < eos, gam_s[i, d], T.float32(0))
+                gam_s[i, d] = acc
+
+    @T.macro
+    def solve(L_s, Ti_s, Td_s, tmp_s):
+        for i, j in T.Parallel(C, C):
+            Ti_s[i, j] = T.float32(0)
+        for I, c in T.Parallel(NSUB, BS):
+            x = T.alloc_local([BS], f32)
+            for r in R16:
+                acc = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                for j in R16[:r]:
+                    acc = acc - L_s[BS * I + r, BS * I + j] * x[j]
+                x[r] = acc
+            for r in R16:
+                Ti_s[BS * I + r, BS * I + c] = x[r]
+                Td_s[I, r, c] = x[r]
+        for I in tuple(range(1, NSUB)):
+            for r, c in T.Parallel(BS, BS * I):
+                acc = T.alloc_var(f32, init=0)
+                for j in tuple(range(BS * I)):
+                    acc = acc - L_s[BS * I + r, j] * Ti_s[j, c]
+                tmp_s[r, c] = acc
+            for r, c in T.Parallel(BS, BS * I):
+                acc2 = T.alloc_var(f32, init=0)
+                for j in R16:
+                    acc2 = acc2 + Td_s[I, r, j] * tmp_s[j, c]
+                Ti_s[BS * I + r, c] = acc2
+
+    return load_cumsum, solve
+
+
 def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     C = chunk_size
     BS = SUB
     NSUB = C // BS
     SUBS = tuple(range(NSUB))  # a Python tuple: loops over it unroll at trace time
-    # rows of the compact buffer holding k_j * exp(r_I - gamma_j) for j < BS*(I+1), per I
-    # (rounded up to a multiple of 32 so the M=16 GEMM splits evenly over 4 warps)
+    # rows of k_j * exp(r_I - gamma_j) needed by row block I (j < BS*(I+1)), rounded up to a
+    # multiple of 32 so the M=16 GEMM splits evenly over 4 warps
     km_rows = [-(-BS * (I + 1) // 32) * 32 for I in range(NSUB)]
-    km_off = [sum(km_rows[:I]) for I in range(NSUB)]
-    KM = sum(km_rows)
     op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
+    load_cumsum, solve = _solve_macros(C, K, f32)
 
     Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
     TT = T.dynamic("TT")
@@ -71,12 +123,13 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
             gam_s = T.alloc_shared([C, K], f32)
             k_s = T.alloc_shared([C, K], dtype)
-            kp_s = T.alloc_shared([C, K], op)  # k_i exp(gamma_i - r_I); later beta k exp(gamma)
-            qp_s = T.alloc_shared([C, K], op)  # scale q_i exp(gamma_i - r_I)
-            km_s = T.alloc_shared([KM, K], op)
             beta_s = T.alloc_shared([C], f32)
+            kp_s = T.alloc_shared([BS, K], op)  # k_i exp(gamma_i - r_I), rows of block I
+            qp_s = T.alloc_shared([BS, K], op)  # scale q_i exp(gamma_i - r_I)
+            km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1), else 0
             L_s = T.alloc_shared([C, C], f32)
             Ti_s = T.alloc_shared([C, C], f32)
+            Td_s = T.alloc_shared([NSUB, BS, BS], f32)
             tmp_s = T.alloc_shared([BS, C], f32)
             Ti_c = T.alloc_shared([C, C], dtype)
             kb_s = T.alloc_shared([C, K], dtype)
@@ -86,39 +139,33 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             eos = Table[ic, 1]
 
             # ---- load (rows past the sequence end read as zero) and chunk-local cumsum ----
+            load_cumsum(G, bos, eos, ih, gam_s)
             for i, d in T.Parallel(C, K):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            T.cumsum(src=gam_s, dim=0)
 
-            # ---- row factors: exp(gamma_i - r_I), r_I = gamma[BS*I - 1] (0 for I = 0) ----
-            for i, d in T.Parallel(C, K):
-                ref = T.if_then_else(i >= BS, gam_s[T.max(i // BS * BS - 1, 0), d], T.float32(0))
-                e = T.exp2((gam_s[i, d] - ref) * LOG2E)
-                kp_s[i, d] = T.cast(T.cast(k_s[i, d], f32) * e, op)
-                qv = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
-                qp_s[i, d] = T.cast(T.cast(qv, f32) * (e * scale), op)
-            # ---- column factors per row block I: k_j exp(r_I - gamma_j), zero for j >= BS*(I+1) ----
+            # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
             for I in SUBS:
-                for j, d in T.Parallel(km_rows[I], K):
+                n = km_rows[I]
+                for r, d in T.Parallel(BS, K):
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
-                    km_s[km_off[I] + j, d] = T.if_then_else(
+                    e = T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E)
+                    kp_s[r, d] = T.cast(T.cast(k_s[BS * I + r, d], f32) * e, op)
+                    qv = T.if_then_else(bos + BS * I + r < eos, Q[bos + BS * I + r, ih, d],
+                                        T.cast(0, dtype))
+                    qp_s[r, d] = T.cast(T.cast(qv, f32) * (e * scale), op)
+                for j, d in T.Parallel(n, K):
+                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    km_s[j, d] = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), op),
                         T.cast(0, op),
                     )
-
-            # ---- Akk, Aqk: one [16, n] GEMM pair per row block ----
-            for I in SUBS:
-                n = km_rows[I]
                 akk_f = T.alloc_fragment([BS, n], f32)
                 aqk_f = T.alloc_fragment([BS, n], f32)
-                T.gemm(kp_s[BS * I : BS * I + BS, :], km_s[km_off[I] : km_off[I] + n, :], akk_f,
-                       transpose_B=True, clear_accum=True)
-                T.gemm(qp_s[BS * I : BS * I + BS, :], km_s[km_off[I] : km_off[I] + n, :], aqk_f,
-                       transpose_B=True, clear_accum=True)
+                T.gemm(kp_s, km_s[0:n, :], akk_f, transpose_B=True, clear_accum=True)
+                T.gemm(qp_s, km_s[0:n, :], aqk_f, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(BS, n):
                     L_s[BS * I + r, j] = T.if_then_else(
                         j < BS * I + r, beta_s[BS * I + r] * akk_f[r, j], T.float32(0))
@@ -130,24 +177,8 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
                         Aqk_out[ic, ih, BS * I + r, n + j] = T.cast(0, dtype)
                         L_s[BS * I + r, n + j] = T.float32(0)
 
-            # ---- Tinv = (I + L)^-1, fp32: diagonal 16x16 blocks by forward substitution ----
-            for i, j in T.Parallel(C, C):
-                Ti_s[i, j] = T.float32(0)
-            for I, c in T.Parallel(NSUB, BS):
-                for r in T.serial(BS):
-                    Ti_s[BS * I + r, BS * I + c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
-                    for j in T.serial(r):
-                        Ti_s[BS * I + r, BS * I + c] -= (
-                            L_s[BS * I + r, BS * I + j] * Ti_s[BS * I + j, BS * I + c])
-            # ---- block rows I >= 1: Tinv[I, :I] = -Tinv[I,I] (L[I, :I] Tinv[:I, :I]) ----
-            for I in SUBS[1:]:
-                for r, c in T.Parallel(BS, BS * I):
-                    tmp_s[r, c] = T.float32(0)
-                    for j in T.serial(BS * I):
-                        tmp_s[r, c] -= L_s[BS * I + r, j] * Ti_s[j, c]
-                for r, c in T.Parallel(BS, BS * I):
-                    for j in T.serial(BS):
-                        Ti_s[BS * I + r, c] += Ti_s[BS * I + r, BS * I + j] * tmp_s[j, c]
+            # ---- Tinv = (I + L)^-1 in fp32 ----
+            solve(L_s, Ti_s, Td_s, tmp_s)
 
             # ---- W = Tinv (beta k e^gamma), U = Tinv (beta v) ----
             T.copy(Ti_s, Ti_c)
@@ -187,6 +218,7 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
     KMR = max(km_rows)
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
+    load_cumsum, solve = _solve_macros(C, K, f32)
 
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -214,6 +246,7 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
             kml_s = T.alloc_shared([KMR, K], f32)
             L_s = T.alloc_shared([C, C], f32)
             Ti_s = T.alloc_shared([C, C], f32)
+            Td_s = T.alloc_shared([NSUB, BS, BS], f32)
             tmp_s = T.alloc_shared([BS, C], f32)
             tih_s = T.alloc_shared([C, C], f32)
             til_s = T.alloc_shared([C, C], f32)
@@ -222,12 +255,11 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
 
             bos = Table[ic, 0]
             eos = Table[ic, 1]
+            load_cumsum(G, bos, eos, ih, gam_s)
             for i, d in T.Parallel(C, K):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            T.cumsum(src=gam_s, dim=0)
 
             # ---- L = Diag(beta) StrictTril(Akk), one 3xTF32 GEMM triple per row block ----
             for I in SUBS:
@@ -256,22 +288,7 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
                         L_s[BS * I + r, n + j] = T.float32(0)
 
             # ---- Tinv = (I + L)^-1 in fp32 (same blocked solve as the forward) ----
-            for i, j in T.Parallel(C, C):
-                Ti_s[i, j] = T.float32(0)
-            for I, c in T.Parallel(NSUB, BS):
-                for r in T.serial(BS):
-                    Ti_s[BS * I + r, BS * I + c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
-                    for j in T.serial(r):
-                        Ti_s[BS * I + r, BS * I + c] -= (
-                            L_s[BS * I + r, BS * I + j] * Ti_s[BS * I + j, BS * I + c])
-            for I in SUBS[1:]:
-                for r, c in T.Parallel(BS, BS * I):
-                    tmp_s[r, c] = T.float32(0)
-                    for j in T.serial(BS * I):
-                        tmp_s[r, c] -= L_s[BS * I + r, j] * Ti_s[j, c]
-                for r, c in T.Parallel(BS, BS * I):
-                    for j in T.serial(BS):
-                        Ti_s[BS * I + r, c] += Ti_s[BS * I + r, BS * I + j] * tmp_s[j, c]
+            solve(L_s, Ti_s, Td_s, tmp_s)
             for i, j in T.Parallel(C, C):
                 tih_s[i, j] = tf32_hi(Ti_s[i, j])
                 til_s[i, j] = Ti_s[i, j] - tf32_hi(Ti_s[i, j])

@@ -1,0 +1,59 @@
+"""kda_cp.kernels launchers on the CPU: input validation, routing, chunk tables (no GPU, no compile)."""
+import pytest
+import torch
+
+from kda_cp import kernels
+from kda_cp.kernels._common import build_chunk_tables
+
+
+def _inputs(B=1, T=64, H=2, K=128, V=128, dtype=torch.bfloat16):
+    q = torch.randn(B, T, H, K).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V).to(dtype)
+    g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K))
+    beta = torch.rand(B, T, H)
+    return q, k, v, g, beta
+
+
+def test_validation_messages_show_shapes():
+    q, k, v, g, beta = _inputs()
+    with pytest.raises(ValueError, match=r"\(1, 63, 2, 128\)"):
+        kernels.chunk_kda_fwd(q, k, v[:, :63].contiguous(), g, beta, scale=0.1)
+    with pytest.raises(ValueError, match="K == V"):
+        kernels.chunk_kda_fwd(q, k, v[..., :64].contiguous(), g, beta, scale=0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.chunk_kda_fwd(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g, beta, scale=0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.chunk_kda_fwd(q, k, v, g.bfloat16(), beta, scale=0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.chunk_kda_fwd(q.float(), k.float(), v.float(), g, beta, scale=0.1)
+    with pytest.raises(ValueError, match="g_min"):
+        kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, g_min=-6.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, chunk_size=32)
+    with pytest.raises(ValueError, match="B == 1"):
+        q2, k2, v2, g2, b2 = _inputs(B=2)
+        kernels.chunk_kda_fwd(q2, k2, v2, g2, b2, scale=0.1, cu_seqlens=torch.tensor([0, 64]))
+    with pytest.raises(ValueError, match=r"initial_state has shape \(1, 2, 128, 64\)"):
+        kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, initial_state=torch.zeros(1, 2, 128, 64))
+    with pytest.raises(ValueError, match=r"\(1, 64, 2, 96\)"):
+        q3, k3, v3, g3, b3 = _inputs(K=96, V=96)
+        kernels.chunk_kda_summary(k3, v3, g3, b3)
+
+
+def test_is_supported_routes_cpu_and_odd_head_dims():
+    ok, why = kernels.is_supported(*_inputs())
+    assert not ok and why  # CPU tensors (or no tilelang): never claimed
+    q, k, v, g, beta = _inputs(K=96, V=96)
+    assert not kernels.is_supported(q, k, v, g, beta)[0]
+
+
+def test_chunk_tables_fixed_and_packed():
+    t = build_chunk_tables(2, 100, None, 64, torch.device("cpu"))
+    assert t.chunk_table.tolist() == [[0, 100], [64, 100], [100, 200], [164, 200]]
+    assert t.seq_table.tolist() == [[0, 2, 0, 100], [2, 2, 100, 200]]
+    cu = torch.tensor([0, 15, 15, 256, 300])  # an empty sequence, a multiple of 64, a tail
+    t = build_chunk_tables(1, 300, cu, 64, torch.device("cpu"))
+    assert t.chunk_table.tolist() == [[0, 15], [15, 256], [79, 256], [143, 256], [207, 256],
+                                      [256, 300]]
+    assert t.seq_table.tolist() == [[0, 1, 0, 15], [1, 0, 15, 15], [1, 4, 15, 256], [5, 1, 256, 300]]
