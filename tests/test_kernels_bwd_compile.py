@@ -1,8 +1,7 @@
 """Every TileLang backward kernel lowers and compiles for Hopper (sm_90a) with the local nvcc (no GPU).
 
-Marker ``compile``. Skipped when tilelang or nvcc is absent. Builds each backward factory at the
-configurations kda_cp.kernels.backward launches (K = V in {64, 128}; bf16, and fp16 at K = 64;
-the state kernel with and without stored states), checks that the large GEMMs use wgmma and that
+Marker ``compile``. Skipped when tilelang or nvcc is absent. Builds each backward factory once
+(K = V = 128, bf16; the state kernel with and without stored states), checks that the large GEMMs use wgmma and that
 the "dk" kernel's GEMMs are TF32 (its 2xTF32 split is what keeps dg accurate).
 """
 import shutil
@@ -18,7 +17,9 @@ if shutil.which("nvcc") is None:
 from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel  # noqa: E402
 from kda_cp.kernels.bwd_state import build_bwd_state_kernel  # noqa: E402
 
-CONFIGS = [(64, "bfloat16"), (128, "bfloat16"), (64, "float16")]
+# One launch configuration per factory keeps CI (2 cores, ~1-2 min per kernel) short; the GPU tests
+# run every configuration kda_cp.kernels.backward launches.
+CONFIGS = [(128, "bfloat16")]
 IDS = [f"K{k}-{d}" for k, d in CONFIGS]
 
 
