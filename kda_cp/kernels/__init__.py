@@ -131,8 +131,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Raises:
         ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes).
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
-        fp16 for fp16 inputs) with fp32 accumulation. Relative RMS error vs an fp64 recurrence on
-        the same inputs is about 1e-3 for bf16.
+        fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
+        recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
+        (see kernels/NOTES.md).
     """
     from .intra import build_intra_kernel
     from .state import build_state_output_kernel
@@ -189,7 +190,8 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     Raises:
         ValueError on a shape, dtype, contiguity or option mismatch.
     Numerics: cumsum, exponentials and the triangular solve in fp32 on CUDA cores; every GEMM is a
-        3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (~1e-6 relative per chunk).
+        3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (measured relative RMS vs
+        fp64 over 1000 tokens: M 1.8e-5, S_tilde 1.4e-6).
     """
     from .intra import build_intra_summary_kernel
     from .state import build_summary_kernel
