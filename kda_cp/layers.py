@@ -31,9 +31,15 @@ import torch.nn.functional as F
 
 from kda_cp.ops import chunk_kda
 from kda_cp.parallel.conv import causal_conv1d
+from kda_cp.parallel.attention import cp_attention
 from kda_cp.parallel.cp import cp_chunk_kda
+from kda_cp.parallel.ulysses import ulysses_kda
 
-__all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm"]
+__all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
+
+#: How a KDA layer runs on a sequence sharded over a CP group: "scan" (affine prefix scan over
+#: ranks, kda_cp.parallel.cp_chunk_kda) or "ulysses" (head-parallel all-to-all, kda_cp.parallel.ulysses).
+CP_STRATEGIES = ("scan", "ulysses")
 
 
 @dataclass
@@ -134,10 +140,12 @@ class KDALayer(nn.Module):
         cp_group: torch.distributed group of the CP ranks, or None / a group of size 1 for an
             unsharded sequence. Collective when sharded: every rank of the group calls forward
             and backward in the same order.
+        cp_strategy: "scan" (default) or "ulysses" (needs num_heads % P == 0 and equal shards).
+        ulysses_impl: "auto", "deepspeed" or "torch" (see kda_cp.parallel.ulysses).
         Returns y: [B, T, D] in x's dtype.
 
     Raises:
-        ValueError: x not [B, T, d_model].
+        ValueError: x not [B, T, d_model], or an unknown cp_strategy.
     """
 
     def __init__(self, config: KDAConfig) -> None:
@@ -185,8 +193,10 @@ class KDALayer(nn.Module):
         z = self.g_up(self.g_down(x)).to(cdt).view(B, T, c.num_heads, c.head_dim)
         return c.g_min * torch.sigmoid(z * self.A_log.to(cdt).exp()[:, None])
 
-    def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
         c = self.config
+        if cp_strategy not in CP_STRATEGIES:
+            raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
         B, T, _ = x.shape
@@ -200,7 +210,12 @@ class KDALayer(nn.Module):
         v = F.silu(v).view(B, T, H, V)
         g = self.gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        if cp_group is not None:  # cp_chunk_kda is chunk_kda for a group of size 1
+        if cp_group is not None and cp_strategy == "ulysses":
+            o = ulysses_kda(
+                q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min,
+                impl=ulysses_impl,
+            )
+        elif cp_group is not None:  # cp_chunk_kda is chunk_kda for a group of size 1
             o, _ = cp_chunk_kda(
                 q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min
             )
@@ -208,3 +223,51 @@ class KDALayer(nn.Module):
             o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min)
         o = self.o_norm(o) * torch.sigmoid(self.og_proj(x)).view(B, T, H, V)
         return self.o_proj(o.reshape(B, T, H * V))
+
+
+@dataclass
+class AttentionConfig:
+    """Hyper-parameters of one full (softmax) attention layer of the hybrid model."""
+
+    d_model: int = 128
+    """Model width D."""
+    num_heads: int = 4
+    """Attention heads H."""
+    head_dim: int = 32
+    """Head dimension (queries, keys and values)."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AttentionConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class AttentionLayer(nn.Module):
+    """Causal multi-head softmax attention without positional encoding (NoPE, as Kimi Linear's
+    full-attention layers), exact under context parallelism.
+
+        q, k, v = W_q x, W_k x, W_v x          per head [B, T, H, D]
+        o       = softmax(q k^T / sqrt(D) + causal mask) v
+        y       = W_o o
+
+    Under CP, K and V are all-gathered over the CP group and this rank's queries attend with the
+    causal offset of their global positions (:func:`kda_cp.parallel.attention.cp_attention`); both
+    CP strategies use this path.
+
+    Forward: x [B, T_r, D], cp_group (collective under CP) -> y [B, T_r, D].
+    """
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.qkv_proj = nn.Linear(c.d_model, 3 * c.num_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
+        c = self.config
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, 3, c.num_heads, c.head_dim).unbind(2)
+        o = cp_attention(q, k, v, cp_group=cp_group)
+        return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim))

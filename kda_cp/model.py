@@ -1,12 +1,17 @@
 """A small causal byte-level language model built from KDA layers, shardable along the sequence.
 
     h_0 = Embed(x)
-    h_l = h_{l-1} + KDA(RMSNorm(h_{l-1}));   h_l = h_l + SwiGLU(RMSNorm(h_l))      (pre-norm blocks)
+    h_l = h_{l-1} + Mix_l(RMSNorm(h_{l-1}));  h_l = h_l + SwiGLU(RMSNorm(h_l))      (pre-norm blocks)
     logits = Head(RMSNorm(h_N))                                                  (head tied or not)
 
-Every op is position-wise except the KDA layer's short convolution and recurrence, which are exact
-under context parallelism (:mod:`kda_cp.layers`). So rank r of a CP group can run the model on its
-contiguous shard of the tokens and get exactly its slice of the unsharded logits.
+Mix_l is a KDA layer or, in the hybrid model of Kimi Linear, a full causal attention layer without
+positional encoding: ``layer_pattern`` is repeated over the blocks, "K" for KDA and "A" for
+attention ("KKKA": 3 KDA layers per attention layer, Kimi Linear's ratio; "K": KDA only).
+
+Every op is position-wise except the KDA layer's short convolution and recurrence and the attention
+layers, all exact under context parallelism (:mod:`kda_cp.layers`, :mod:`kda_cp.parallel.attention`).
+So rank r of a CP group can run the model on its contiguous shard of the tokens and get exactly its
+slice of the unsharded logits.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kda_cp.layers import KDAConfig, KDALayer, RMSNorm
+from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig, KDALayer, RMSNorm
 
 __all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU"]
 
@@ -54,11 +59,26 @@ class ModelConfig:
     """Chunk length of the KDA op."""
     backend: str = "auto"
     """KDA op backend: "auto", "torch" or "tilelang"."""
+    layer_pattern: str = "K"
+    """Token mixer of each block, repeated cyclically over n_layers: "K" KDA, "A" full attention
+    (NoPE, causal). "KKKA" is Kimi Linear's 3:1 hybrid; "K" a pure KDA model."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "num_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
+            raise ValueError(
+                f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "
+                f"got {self.layer_pattern!r}"
+            )
+
+    def mixer(self, layer: int) -> str:
+        """"K" or "A": the token mixer of block ``layer``."""
+        return self.layer_pattern[layer % len(self.layer_pattern)]
+
+    def attention_config(self) -> AttentionConfig:
+        return AttentionConfig(d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim)
 
     def kda_config(self) -> KDAConfig:
         return KDAConfig(
@@ -94,17 +114,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: KDA mixer, then SwiGLU MLP."""
+    """Pre-norm residual block: token mixer (KDA, or attention when ``mixer == "A"``), then SwiGLU MLP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mixer: str = "K") -> None:
         super().__init__()
+        self.mixer = mixer
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = KDALayer(config.kda_config())
+        self.attn = KDALayer(config.kda_config()) if mixer == "K" else AttentionLayer(config.attention_config())
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden)
 
-    def forward(self, h: torch.Tensor, cp_group=None) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cp_group=cp_group)
+    def forward(self, h: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cp_group=cp_group, cp_strategy=cp_strategy, ulysses_impl=ulysses_impl)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -119,6 +140,8 @@ class KDALanguageModel(nn.Module):
             shard of each sequence (rank r of the group holds the r-th piece).
         cp_group: the CP process group, or None / a group of size 1 for whole sequences. Collective
             when sharded (every rank of the group runs forward and backward in the same order).
+        cp_strategy: how KDA layers run under CP: "scan" (default) or "ulysses".
+        ulysses_impl: "auto", "deepspeed" or "torch" (the all-to-all of the ulysses strategy).
         Returns logits: [B, T, vocab_size], fp32 when the weights are fp32.
 
     Raises:
@@ -129,7 +152,7 @@ class KDALanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, config.mixer(i)) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
@@ -151,14 +174,16 @@ class KDALanguageModel(nn.Module):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
 
-    def forward(self, input_ids: torch.Tensor, cp_group=None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto"
+    ) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
             raise ValueError(
                 f"input_ids must be [B, T] integer, got shape {tuple(input_ids.shape)} dtype {input_ids.dtype}"
             )
         h = self.embed(input_ids.long())
         for block in self.blocks:
-            h = block(h, cp_group=cp_group)
+            h = block(h, cp_group=cp_group, cp_strategy=cp_strategy, ulysses_impl=ulysses_impl)
         return self.head(self.norm(h))
 
     def num_params(self) -> int:

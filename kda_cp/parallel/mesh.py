@@ -1,0 +1,123 @@
+"""The 2-D process layout of training: data parallel (dp) x context parallel (cp).
+
+Modeled on torchtitan's ``ParallelDims``: the degrees are checked against the world size when the
+object is made, and the named ``DeviceMesh`` (axes "dp", "cp"; cp inner, so ranks
+``d * cp .. d * cp + cp - 1`` share one sequence) is built lazily, on first use, from
+``torch.distributed.device_mesh.init_device_mesh``.
+
+    dims = ParallelDims(dp=2, cp=2, world_size=4)
+    mesh = dims.build_mesh("cpu")              # collective: every rank calls it
+    cp_group = dims.cp_group                   # None when cp == 1 (an unsharded sequence)
+
+Rank r sits at mesh coordinates ``(r // cp, r % cp)`` (:meth:`ParallelDims.coords`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["ParallelDims"]
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data and context parallelism over ``world_size`` ranks.
+
+    Args:
+        dp: data-parallel degree (ranks that take different sequences of the global batch), >= 1.
+        cp: context-parallel degree (ranks that share one sequence, each holding a contiguous
+            shard), >= 1.
+        world_size: number of ranks; must equal dp * cp.
+
+    Raises:
+        ValueError: a degree < 1 or dp * cp != world_size (the message names the fields).
+    """
+
+    dp: int
+    cp: int
+    world_size: int
+    _mesh: object = field(default=None, init=False, repr=False, compare=False)
+    _dp_cp_group: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims.{name} must be an integer >= 1, got {value!r}")
+        if self.dp * self.cp != self.world_size:
+            raise ValueError(
+                f"ParallelDims: dp * cp must equal the world size, got dp={self.dp} x cp={self.cp} = "
+                f"{self.dp * self.cp} != world_size={self.world_size}"
+            )
+
+    @classmethod
+    def from_cp(cls, world_size: int, cp: int) -> "ParallelDims":
+        """dp = world_size / cp. ValueError (naming parallel.cp) unless cp >= 1 divides world_size."""
+        if not isinstance(cp, int) or cp < 1 or world_size % cp:
+            raise ValueError(f"parallel.cp={cp} must be >= 1 and divide the world size {world_size}")
+        return cls(dp=world_size // cp, cp=cp, world_size=world_size)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(dp_rank, cp_rank) of global ``rank`` (cp inner)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank // self.cp, rank % self.cp
+
+    def build_mesh(self, device_type: str):
+        """The ("dp", "cp") DeviceMesh over all ranks (collective; built once, then cached).
+
+        Raises:
+            RuntimeError: torch.distributed is not initialized.
+            ValueError: the process group's world size differs from ``world_size``.
+        """
+        if self._mesh is None:
+            if not dist.is_initialized():
+                raise RuntimeError("ParallelDims.build_mesh needs an initialized torch.distributed process group")
+            if dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"ParallelDims.world_size={self.world_size} but the process group has {dist.get_world_size()} ranks"
+                )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+            # Made here, not lazily: new_group is collective and every rank must call it in order.
+            ranks = sorted(int(r) for r in self._mesh.mesh.flatten().tolist())
+            self._dp_cp_group = dist.new_group(ranks=ranks)
+        return self._mesh
+
+    @property
+    def mesh(self):
+        """The mesh built by :meth:`build_mesh` (RuntimeError before it)."""
+        if self._mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) first")
+        return self._mesh
+
+    @property
+    def cp_group(self):
+        """This rank's CP process group (the "cp" axis), or None when cp == 1 or not distributed."""
+        if self.cp == 1 or self._mesh is None:
+            return None
+        return self._mesh.get_group("cp")
+
+    @property
+    def dp_group(self):
+        """This rank's data-parallel process group (the "dp" axis), or None when not distributed."""
+        if self._mesh is None:
+            return None
+        return self._mesh.get_group("dp")
+
+    @property
+    def dp_cp_group(self):
+        """A process group over the whole dp x cp mesh (for reductions of replicated parameters'
+        gradients and of the loss: both span dp and cp), made by :meth:`build_mesh`; None before."""
+        return self._dp_cp_group

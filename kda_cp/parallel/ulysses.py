@@ -1,0 +1,179 @@
+"""Head-parallel sequence parallelism (DeepSpeed Ulysses) around the single-device KDA op.
+
+The other way to shard a sequence (DESIGN.md §7), here to be measured against the affine-scan CP of
+:func:`kda_cp.parallel.cp_chunk_kda`. With P ranks in the CP group and H heads (H % P == 0):
+
+    [B, T/P, H, *]  --all-to-all-->  [B, T, H/P, *]     every rank: the whole sequence, H/P heads
+    o_heads = chunk_kda(q, k, v, g, beta) on those heads (no state crosses a rank)
+    [B, T, H/P, V]  --all-to-all-->  [B, T/P, H, V]     back to this rank's tokens, all heads
+
+The all-to-all is its own transpose, so the backward is the same two exchanges in reverse.
+Communication per rank and layer: (P-1)/P of the shard's q, k, v, g, beta and o, i.e. it grows
+with T, where the scan CP sends one state pair per rank.
+
+Two implementations of the exchange, same numbers:
+- ``impl="deepspeed"``: ``deepspeed.sequence.layer.DistributedAttention`` (scatter heads, gather the
+  sequence; batch dim 0). It all-to-alls three tensors, so g travels with k and beta with v
+  (concatenated on the last dim in a common dtype, split again inside; the round trip is exact).
+  Needs deepspeed and ``deepspeed.comm`` initialized (done here over the existing process group).
+- ``impl="torch"``: :func:`seq_to_head` / :func:`head_to_seq`, autograd Functions over
+  ``torch.distributed.all_to_all_single`` (supported by gloo and NCCL).
+
+Shards must be equal (T % P == 0): the all-to-all exchanges equal blocks. The short convolution
+before the op still needs its halo from the previous rank (:mod:`kda_cp.parallel.conv`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from kda_cp.ops import chunk_kda
+from kda_cp.parallel.conv import shard_lengths
+
+__all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
+
+logger = logging.getLogger(__name__)
+
+UlyssesImpl = Literal["auto", "deepspeed", "torch"]
+
+
+def _a2a_seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    B, T_r, H = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(B, T_r, P, H // P, *rest).movedim(2, 0).contiguous()  # [P, B, T_r, H/P, *]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j] = rank j's tokens, my heads
+    return recv.movedim(0, 1).reshape(B, P * T_r, H // P, *rest)
+
+
+def _a2a_head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    B, T, Hp = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(B, P, T // P, Hp, *rest).movedim(1, 0).contiguous()  # [P, B, T_r, H/P, *]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j] = my tokens, rank j's heads
+    return recv.movedim(0, 2).reshape(B, T // P, P * Hp, *rest)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _a2a_seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a_head_to_seq(grad, ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _a2a_head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a_seq_to_head(grad, ctx.group), None
+
+
+def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T/P, H, *] sequence shards -> [B, T, H/P, *] head shards (differentiable all-to-all).
+
+    Rank j of the group gets heads [j H/P, (j+1) H/P) of the whole sequence.
+    """
+    return _SeqToHead.apply(x, group)
+
+
+def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, H/P, *] head shards -> [B, T/P, H, *] sequence shards (the inverse of :func:`seq_to_head`)."""
+    return _HeadToSeq.apply(x, group)
+
+
+def resolve_impl(impl: str) -> str:
+    """"auto" -> "deepspeed" when deepspeed imports, else "torch"; ValueError on anything else."""
+    if impl == "auto":
+        try:
+            import deepspeed.sequence.layer  # noqa: F401
+        except Exception:  # not installed, or no usable accelerator
+            return "torch"
+        return "deepspeed"
+    if impl not in ("deepspeed", "torch"):
+        raise ValueError(f"parallel.ulysses_impl must be 'auto', 'deepspeed' or 'torch', got {impl!r}")
+    return impl
+
+
+def _deepspeed_attention(local_fn, group):
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    from deepspeed.sequence.layer import DistributedAttention
+
+    if not ds_dist.is_initialized():  # wraps the existing torch.distributed process group
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    return DistributedAttention(local_fn, group, scatter_idx=2, gather_idx=1)
+
+
+def ulysses_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cp_group,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    g_min: float | None = -5.0,
+    impl: UlyssesImpl = "auto",
+) -> torch.Tensor:
+    """KDA on a sequence sharded over ``cp_group``, head-parallel (Ulysses).
+
+    Args:
+        q, k: [B, T_r, H, K]; v: [B, T_r, H, V]; g: [B, T_r, H, K] (log decay); beta: [B, T_r, H]:
+            this rank's contiguous shard, T_r = T / P on every rank.
+        cp_group: the CP group (collective), or None / size 1 (then plain chunk_kda).
+        chunk_size, backend, g_min: passed to :func:`kda_cp.chunk_kda`.
+        impl: "deepspeed" (DistributedAttention), "torch" (own all-to-all), or "auto".
+
+    Returns:
+        o: [B, T_r, H, V]; equal to the rows of the unsharded chunk_kda (no initial/final state).
+
+    Raises:
+        ValueError: H not divisible by P, unequal shard lengths, or a bad ``impl``.
+    """
+    kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min)
+    P = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if P == 1:
+        return chunk_kda(q, k, v, g, beta, **kw)[0]
+    H = q.shape[2]
+    if H % P:
+        raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={H}, cp={P}")
+    lengths = shard_lengths(q, cp_group)
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            f"parallel.strategy=ulysses needs equal shards (data.seq_len % cp == 0), got shard lengths {lengths}"
+        )
+    impl = resolve_impl(impl)
+    if impl == "torch":
+        qh, kh, vh, gh, bh = (seq_to_head(t, cp_group) for t in (q, k, v, g, beta))
+        o, _ = chunk_kda(qh, kh, vh, gh, bh, **kw)
+        return head_to_seq(o, cp_group)
+
+    K = k.shape[-1]
+    kg_dtype = torch.promote_types(k.dtype, g.dtype)
+    vb_dtype = torch.promote_types(v.dtype, beta.dtype)
+
+    def local(qh, kgh, vbh):
+        kh, gh = kgh[..., :K].to(k.dtype), kgh[..., K:].to(g.dtype)
+        vh, bh = vbh[..., :-1].to(v.dtype), vbh[..., -1].to(beta.dtype)
+        return chunk_kda(qh, kh, vh, gh, bh, **kw)[0]
+
+    kg = torch.cat([k.to(kg_dtype), g.to(kg_dtype)], dim=-1)
+    vb = torch.cat([v.to(vb_dtype), beta.to(vb_dtype)[..., None]], dim=-1)
+    return _deepspeed_attention(local, cp_group)(q, kg, vb, 0)

@@ -1,0 +1,108 @@
+"""Hybrid model (KDA : attention = 3 : 1): attention under CP (K/V all-gather) exact vs unsharded, gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cp.layers import AttentionConfig, AttentionLayer
+from kda_cp.model import KDALanguageModel, ModelConfig
+from kda_cp.parallel.attention import causal_attention, cp_attention
+
+from _dist import run_ranks
+
+
+def test_causal_attention_matches_masked_softmax():
+    torch.manual_seed(0)
+    B, L, H, D, off = 2, 7, 3, 5, 6
+    q = torch.randn(B, L, H, D, dtype=torch.float64)
+    k = torch.randn(B, off + L, H, D, dtype=torch.float64)
+    v = torch.randn(B, off + L, H, D, dtype=torch.float64)
+    o = causal_attention(q, k, v, off)
+    s = torch.einsum("blhd,bshd->bhls", q, k) * D**-0.5
+    allowed = torch.arange(off + L)[None, :] <= (off + torch.arange(L))[:, None]
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    torch.testing.assert_close(o, torch.einsum("bhls,bshd->blhd", p, v), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="keys must cover"):
+        causal_attention(q, k[:, :-1], v[:, :-1], off)
+
+
+def _attn_body(rank, world_size, q, k, v, do, lengths):
+    import torch.distributed as dist
+
+    start = sum(lengths[:rank])
+    sl = slice(start, start + lengths[rank])
+    q_r, k_r, v_r = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    o_r = cp_attention(q_r, k_r, v_r, cp_group=dist.group.WORLD)
+    (o_r * do[:, sl]).sum().backward()
+    return {"o": o_r.detach(), "dq": q_r.grad, "dk": k_r.grad, "dv": v_r.grad}
+
+
+@pytest.mark.parametrize("lengths", [[13, 19], [9, 20, 4], [0, 11, 7]], ids=["p2-uneven", "p3-uneven", "p3-empty-first"])
+def test_cp_attention_matches_unsharded(lengths):
+    torch.manual_seed(1)
+    B, H, D = 2, 3, 8
+    T = sum(lengths)
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, T, H, D, dtype=torch.float64)
+    o = cp_attention(q, k, v)
+    (o * do).sum().backward()
+    res = run_ranks(_attn_body, len(lengths), q.detach(), k.detach(), v.detach(), do, lengths)
+    for name, ref in [("o", o.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)]:
+        got = torch.cat([r[name] for r in res], 1)
+        torch.testing.assert_close(got, ref, rtol=1e-11, atol=1e-11, msg=lambda m: f"{name}: {m}")
+
+
+HYBRID = dict(d_model=32, n_layers=4, num_heads=2, head_dim=16, chunk_size=16, layer_pattern="KKKA")
+
+
+def _perturbed(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return module
+
+
+def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
+    import torch.distributed as dist
+
+    model = KDALanguageModel(ModelConfig(**HYBRID)).double()
+    model.load_state_dict(state)
+    start = sum(lengths[:rank])
+    sl = slice(start, start + lengths[rank])
+    logits = model(ids[:, sl], cp_group=dist.group.WORLD)
+    (logits * dlogits[:, sl]).sum().backward()
+    return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("lengths", [[23, 18], [10, 17, 14]], ids=["p2-uneven", "p3-uneven"])
+def test_hybrid_model_cp_matches_unsharded(lengths):
+    torch.manual_seed(0)
+    model = _perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 5)
+    assert [b.mixer for b in model.blocks] == ["K", "K", "K", "A"]
+    T = sum(lengths)
+    ids = torch.randint(0, 256, (2, T))
+    dlogits = torch.randn(2, T, 256, dtype=torch.float64)
+    logits = model(ids)
+    (logits * dlogits).sum().backward()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    res = run_ranks(_hybrid_body, len(lengths), state, ids, dlogits, lengths)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in res], 1), logits.detach(), rtol=1e-10, atol=1e-10)
+    for name, p in model.named_parameters():
+        got = sum(r["grads"][name] for r in res)
+        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_attention_layer_is_causal_and_checks_input():
+    torch.manual_seed(0)
+    layer = AttentionLayer(AttentionConfig(d_model=16, num_heads=2, head_dim=8)).double()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, 8:] = torch.randn(2, 4, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(x2)[:, :8], layer(x)[:, :8], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="d_model"):
+        layer(torch.randn(2, 5, 15))
+    with pytest.raises(ValueError, match="layer_pattern"):
+        ModelConfig(layer_pattern="KXA")
