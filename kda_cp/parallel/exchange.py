@@ -76,14 +76,15 @@ def _peer(group, rank: int) -> int:
 
 def _sendrecv(send: torch.Tensor | None, to: int | None, recv_like: torch.Tensor, frm: int | None, group):
     """Send ``send`` to group rank ``to`` and receive a tensor like ``recv_like`` from ``frm``."""
-    reqs, out = [], None
+    ops, out = [], None
     if frm is not None:
         out = torch.empty_like(recv_like)
-        reqs.append(dist.irecv(out, _peer(group, frm), group=group))
+        ops.append(dist.P2POp(dist.irecv, out, _peer(group, frm), group))
     if to is not None:
-        reqs.append(dist.isend(send.contiguous(), _peer(group, to), group=group))
-    for req in reqs:
-        req.wait()
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), _peer(group, to), group))
+    if ops:  # batched, so NCCL groups the send and the receive (no ordering deadlock)
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
     return out
 
 

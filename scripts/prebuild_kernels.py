@@ -1,0 +1,50 @@
+"""Compile the TileLang kernels ahead of time into TileLang's disk cache (TILELANG_CACHE_DIR).
+
+Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
+the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
+the CP shard summary launch for the given head dim and dtype.
+
+    TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128
+"""
+
+import argparse
+import time
+
+from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
+from kda_cp.kernels.bwd_state import build_bwd_state_kernel
+from kda_cp.kernels.intra import build_intra_kernel, build_intra_summary_kernel
+from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--no-backward", action="store_true")
+    args = ap.parse_args()
+    C, dt = args.chunk_size, args.dtype
+    for K in args.head_dim:
+        scale = float(K**-0.5)
+        builds = {
+            "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
+            "state+output": lambda: build_state_output_kernel(None, K, K, C, dt, with_h0=True, store_ht=True),
+            "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
+            "summary state": lambda: build_summary_kernel(None, K, K, C),
+        }
+        if not args.no_backward:
+            builds.update({
+                "bwd state": lambda: build_bwd_state_kernel(None, K, K, C, dt, store_states=True),
+                "state grad": lambda: build_bwd_state_kernel(None, K, K, C, dt, store_states=False),
+                "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
+                "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
+                "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),
+            })
+        for name, build in builds.items():
+            t = time.time()
+            build()
+            print(f"K={K} {dt} {name}: {time.time() - t:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
