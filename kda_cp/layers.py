@@ -126,7 +126,8 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
-        return causal_conv1d(x, self.weight, None, cp_group=cp_group)
+        # .to(x.dtype): under bf16 autocast the input is bf16 and the fp32 weight must follow it.
+        return causal_conv1d(x, self.weight.to(x.dtype), None, cp_group=cp_group)
 
 
 class KDALayer(nn.Module):
@@ -205,8 +206,9 @@ class KDALayer(nn.Module):
         if c.conv_size > 0:
             qkv = self.qkv_conv(qkv, cp_group)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps)
-        k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
+        # .to(qkv.dtype): autocast runs the norm in fp32; the KDA op wants q, k, v in one dtype.
+        q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps).to(qkv.dtype)
+        k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps).to(qkv.dtype)
         v = F.silu(v).view(B, T, H, V)
         g = self.gate(x)
         beta = torch.sigmoid(self.b_proj(x))

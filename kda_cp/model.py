@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig, KDALayer, RMSNorm
 
-__all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU"]
+__all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU", "train_flops_per_token"]
 
 
 @dataclass
@@ -189,3 +189,37 @@ class KDALanguageModel(nn.Module):
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def train_flops_per_token(model: KDALanguageModel, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward), for MFU.
+
+    Counted per token, forward, then times 3 (backward = 2 x forward):
+
+    - every nn.Linear (projections, gates, MLP, LM head; a tied head counted as the matmul it is):
+      2 * in * out;
+    - short convolution: 2 * W * channels;
+    - KDA chunk op, per head, chunk C, head dims K, V (the chunked form of DESIGN.md §2, full
+      C x C blocks, no credit for triangles): A_kk 2CK, W = T(Gamma K) 2CK, U = TV 2CV,
+      W S 2KV, (Gamma Q) S 2KV, Q K^T 2CK, (.) V' 2CV, state update 2KV, i.e.
+      2 * (3 C K + 2 C V + 3 K V);
+    - causal attention, per head of dim D at sequence length T: Q K^T and P V over T/2 keys on
+      average, 2 * 2 * (T / 2) * D = 2 T D.
+
+    Elementwise work (norms, activations, gates' exp, the triangular solve) is not counted.
+    MFU = tokens/s * train_flops_per_token / (GPUs * peak FLOP/s); peak 989 TFLOP/s is the H200's
+    (= H100 SXM) dense bf16 tensor-core rate.
+    """
+    fwd = 0.0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fwd += 2.0 * m.in_features * m.out_features
+        elif isinstance(m, KDALayer):
+            c = m.config
+            if c.conv_size > 0:
+                fwd += 2.0 * c.conv_size * m.qkv_conv.weight.shape[0]
+            C, K, V = c.chunk_size, c.head_dim, c.v_dim
+            fwd += c.num_heads * 2.0 * (3 * C * K + 2 * C * V + 3 * K * V)
+        elif isinstance(m, AttentionLayer):
+            fwd += m.config.num_heads * 2.0 * seq_len * m.config.head_dim
+    return 3.0 * fwd

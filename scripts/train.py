@@ -12,10 +12,19 @@ Loss: the mean over every token of the global batch, i.e. sum of token losses / 
 seq_len), reduced over dp x cp; each rank back-propagates its share and the gradients are summed
 over all ranks. So the CP degree changes the speed, not the numbers.
 
+The dp x cp layout is a named DeviceMesh (kda_cp.parallel.mesh.ParallelDims). The data-parallel
+side runs either the plain torch path (one flat all-reduce of the gradients over all ranks) or
+DeepSpeed ZeRO 1/2/3 (``deepspeed=zero1|zero2|zero3``, kda_cp.parallel.deepspeed_adapter); KDA
+layers under CP run the affine scan (``parallel.strategy=scan``) or head-parallel Ulysses
+(``parallel.strategy=ulysses``); ``model.layer_pattern=KKKA`` makes the 3:1 KDA/attention hybrid.
+
 Output, in one run directory shared by all ranks (``trainer.run_dir``, or ``runs/<UTC time>``
-chosen on rank 0 and broadcast; only rank 0 writes): ``config.yaml``, ``metrics.jsonl`` (one line
-per step: step, loss, tokens_per_s, lr; and val_loss lines), ``checkpoint.pt`` (written atomically),
-``summary.json`` and ``loss.png`` (when matplotlib is installed).
+chosen on rank 0 and broadcast; only rank 0 writes metadata): ``config.yaml``, ``metrics.jsonl``
+(one line per step: step, loss, tokens_per_s, lr, grad_norm, and mfu on GPU; val_loss lines),
+``checkpoints/step_N/`` (every ``trainer.checkpoint_every`` steps and at the end, atomic with a
+manifest, kda_cp.checkpoint), ``summary.json`` (incl. peak memory) and ``loss.png``.
+``trainer.resume=true`` continues from the newest complete checkpoint: model, optimizer,
+scheduler, step, RNG state; the data order is a function of (data.seed, step).
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ import json
 import logging
 import math
 import os
+import random
+import resource
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -39,8 +51,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from tqdm import tqdm
 
+import numpy as np
+
+from kda_cp.checkpoint import CheckpointManager
 from kda_cp.data import ByteCorpus, DataConfig, unigram_entropy
-from kda_cp.model import KDALanguageModel, ModelConfig
+from kda_cp.layers import CP_STRATEGIES
+from kda_cp.model import KDALanguageModel, ModelConfig, train_flops_per_token
+from kda_cp.parallel.deepspeed_adapter import DeepSpeedConfig, DeepSpeedEngineAdapter
+from kda_cp.parallel.mesh import ParallelDims
 
 logger = logging.getLogger("kda_cp.train")
 
@@ -64,6 +82,18 @@ class ParallelConfig:
     """Timeout of every collective (init_process_group): a stuck rank fails instead of hanging."""
     threads_per_rank: int | None = None
     """torch CPU threads per process; None means cpu_count // local processes (1 on 2 cores x 2 ranks)."""
+    strategy: str = "scan"
+    """How KDA layers run on a sharded sequence: "scan" (affine prefix scan over ranks) or
+    "ulysses" (head-parallel all-to-all; needs num_heads % cp == 0 and seq_len % cp == 0)."""
+    ulysses_impl: str = "auto"
+    """All-to-all of the ulysses strategy: "deepspeed" (DistributedAttention), "torch", or "auto"
+    (deepspeed when installed)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in CP_STRATEGIES:
+            raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
+        if self.ulysses_impl not in ("auto", "deepspeed", "torch"):
+            raise ValueError(f"parallel.ulysses_impl must be 'auto', 'deepspeed' or 'torch', got {self.ulysses_impl!r}")
 
 
 @dataclass
@@ -99,19 +129,34 @@ class TrainerConfig:
     log_every: int = 25
     """Log a metrics line to the logger every N steps (metrics.jsonl gets every step)."""
     checkpoint_every: int = 0
-    """Write the checkpoint every N steps (0: only at the end)."""
+    """Write a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in <run_dir>/checkpoints (>= 1; 2 keeps a fallback)."""
     run_dir: str | None = None
     """Run directory; None means <runs_root>/<UTC timestamp>, chosen on rank 0."""
     runs_root: str = "runs"
     """Parent of the automatically named run directories."""
     resume: bool = False
-    """Resume from <run_dir>/checkpoint.pt when it exists (needs run_dir)."""
+    """Resume from the newest complete checkpoint in <run_dir>/checkpoints (needs run_dir)."""
     seed: int = 0
     """Seed of the model initialization (identical on every rank)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     plot: bool = True
     """Write loss.png into the run directory at the end (needs matplotlib)."""
+    precision: str = "auto"
+    """"fp32", "bf16" (torch.autocast to bfloat16; weights, optimizer and loss stay fp32), or
+    "auto": bf16 on CUDA, fp32 on CPU."""
+    peak_tflops: float = 989.0
+    """Peak dense throughput per GPU for MFU (989 TFLOP/s: H200/H100 SXM bf16 dense)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"trainer.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"trainer.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
 @dataclass
@@ -123,6 +168,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 def register_configs() -> None:
@@ -134,6 +180,7 @@ def register_configs() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
     cs.store(group="optim", name="schema", node=OptimConfig)
     cs.store(group="trainer", name="schema", node=TrainerConfig)
+    cs.store(group="deepspeed", name="schema", node=DeepSpeedConfig)
 
 
 register_configs()
@@ -156,24 +203,25 @@ class Layout:
     cp_rank: int
     cp_group: object
     device: torch.device
+    dims: ParallelDims | None = None
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
-def build_layout(world_size: int, rank: int, cp: int, device: torch.device, cp_group=None) -> Layout:
+def build_layout(world_size: int, rank: int, cp: int, device: torch.device, dims: ParallelDims | None = None) -> Layout:
     """dp x cp layout of ``world_size`` ranks; ValueError unless cp >= 1 divides world_size."""
-    if cp < 1 or world_size % cp:
-        raise ValueError(f"parallel.cp={cp} must be >= 1 and divide the world size {world_size}")
-    return Layout(rank, world_size, world_size // cp, cp, rank // cp, rank % cp, cp_group, device)
+    dims = dims or ParallelDims.from_cp(world_size, cp)
+    dp_rank, cp_rank = dims.coords(rank)
+    return Layout(rank, world_size, dims.dp, dims.cp, dp_rank, cp_rank, dims.cp_group, device, dims)
 
 
 def init_distributed(cfg: ParallelConfig) -> Layout:
-    """Initialize torch.distributed from torchrun's environment (or run as one process without it)."""
+    """Initialize torch.distributed from torchrun's environment (or run as one process without it)
+    and build the ("dp", "cp") DeviceMesh."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
@@ -181,20 +229,15 @@ def init_distributed(cfg: ParallelConfig) -> Layout:
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    if cfg.cp < 1 or world_size % cfg.cp:
-        raise ValueError(f"parallel.cp={cfg.cp} must be >= 1 and divide the world size {world_size}")
+    dims = ParallelDims.from_cp(world_size, cfg.cp)  # ValueError before any process group exists
     if world_size == 1 and not dist.is_initialized():
-        return build_layout(1, 0, cfg.cp, device)
+        return build_layout(1, 0, cfg.cp, device, dims)
     if not dist.is_initialized():
         backend = cfg.backend or ("nccl" if use_cuda else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    dp = world_size // cfg.cp
-    mesh = torch.distributed.device_mesh.init_device_mesh(
-        device.type, (dp, cfg.cp), mesh_dim_names=("dp", "cp")
-    )
-    cp_group = mesh.get_group("cp") if cfg.cp > 1 else None
-    return build_layout(world_size, rank, cfg.cp, device, cp_group)
+    dims = ParallelDims.from_cp(dist.get_world_size(), cfg.cp)
+    dims.build_mesh(device.type)
+    return build_layout(dims.world_size, dist.get_rank(), cfg.cp, device, dims)
 
 
 def _broadcast_object(obj, layout: Layout):
@@ -230,19 +273,33 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def _loss_sum(model, x, y, layout: Layout) -> torch.Tensor:
-    logits = model(x.to(layout.device), cp_group=layout.cp_group)
+def _autocast(layout: Layout, precision: str):
+    """bf16 autocast on CUDA (trainer.precision auto or bf16); fp32 otherwise."""
+    bf16 = precision == "bf16" or (precision == "auto" and layout.device.type == "cuda")
+    if not bf16:
+        return nullcontext()
+    return torch.autocast(device_type=layout.device.type, dtype=torch.bfloat16)
+
+
+def _loss_sum(model, x, y, layout: Layout, cfg: TrainConfig) -> torch.Tensor:
+    with _autocast(layout, cfg.trainer.precision):
+        logits = model(
+            x.to(layout.device),
+            cp_group=layout.cp_group,
+            cp_strategy=cfg.parallel.strategy,
+            ulysses_impl=cfg.parallel.ulysses_impl,
+        )
     return F.cross_entropy(logits.flatten(0, 1).float(), y.to(layout.device).flatten(), reduction="sum")
 
 
 @torch.no_grad()
-def evaluate(model, corpus: ByteCorpus, layout: Layout) -> float:
+def evaluate(model, corpus: ByteCorpus, layout: Layout, cfg: TrainConfig) -> float:
     """Mean validation loss (nats/byte) over the fixed validation batches, reduced over all ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=layout.device)
     for i in range(corpus.num_val_batches()):
         x, y = corpus.val_batch(i, layout.dp_rank, layout.dp, layout.cp_rank, layout.cp)
-        total[0] += _loss_sum(model, x, y, layout).double()
+        total[0] += _loss_sum(model, x, y, layout, cfg).double()
         total[1] += y.numel()
     if layout.distributed:
         dist.all_reduce(total)
@@ -261,10 +318,99 @@ def _sync_grads_and_loss(params: list[torch.Tensor], loss_sum: torch.Tensor, lay
     return float(flat[-1])
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+class TorchEngine:
+    """The plain torch data-parallel path (DeepSpeed off), with the interface of
+    :class:`kda_cp.parallel.deepspeed_adapter.DeepSpeedEngineAdapter`: gradients summed over all
+    dp x cp ranks in one flat all-reduce, global-norm clipping, AdamW, scheduler."""
+
+    def __init__(self, model, optimizer, scheduler, layout: Layout, grad_clip: float) -> None:
+        self.module, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.layout, self.grad_clip = layout, grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def reduce(self, loss_sum: torch.Tensor) -> float:
+        """All-reduce the gradients with the loss sum riding along; returns the global loss sum."""
+        return _sync_grads_and_loss(self.params, loss_sum, self.layout)
+
+    def step(self) -> float:
+        if self.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params])))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def save(self, path: Path, client_state: dict) -> None:
+        if self.layout.rank == 0:  # every rank holds the same replicated state
+            state = {
+                "model": self.module.state_dict(),
+                "optim": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                **client_state,
+            }
+            torch.save(state, path / "state.pt")
+
+    def load(self, path: Path) -> dict:
+        state = torch.load(path / "state.pt", map_location=self.layout.device, weights_only=False)
+        self.module.load_state_dict(state.pop("model"))
+        self.optimizer.load_state_dict(state.pop("optim"))
+        self.scheduler.load_state_dict(state.pop("scheduler"))
+        return state
+
+
+class DeepSpeedEngine(DeepSpeedEngineAdapter):
+    """DeepSpeed ZeRO with the TorchEngine interface: the loss sum is all-reduced on its own
+    (DeepSpeed reduces the gradients inside backward/step)."""
+
+    def __init__(self, *args, layout: Layout, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = layout
+
+    def reduce(self, loss_sum: torch.Tensor) -> float:
+        total = loss_sum.detach().reshape(1).clone()
+        if self.layout.distributed:
+            dist.all_reduce(total)
+        return float(total)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak on GPU; the process's max resident set size on CPU (ru_maxrss, KiB on Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _plot(run_dir: Path, history: list[dict], entropy: float) -> Path | None:
@@ -329,7 +475,11 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     is_main = layout.rank == 0
     if is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        logger.info("run dir %s; world %d = dp %d x cp %d on %s", run_dir, layout.world_size, layout.dp, layout.cp, layout.device)
+        logger.info(
+            "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
+            run_dir, layout.world_size, layout.dp, layout.cp, layout.device, cfg.parallel.strategy,
+            f"DeepSpeed ZeRO-{cfg.deepspeed.stage}" if cfg.deepspeed.enabled else "torch data parallel",
+        )
 
     corpus = ByteCorpus(cfg.data)
     entropy = unigram_entropy(corpus.data)
@@ -338,38 +488,54 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     if layout.distributed:  # identical init everywhere, whatever the RNG did
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
+    n_params = model.num_params()
+    flops_per_token = train_flops_per_token(model, cfg.data.seq_len)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.trainer.max_steps))
-    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.deepspeed.enabled:
+        engine = DeepSpeedEngine(
+            model, optimizer, scheduler, layout.dims or ParallelDims(1, 1, 1), cfg.deepspeed,
+            micro_batch=cfg.data.batch_size // layout.dp, grad_clip=cfg.optim.grad_clip, layout=layout,
+        )
+    else:
+        engine = TorchEngine(model, optimizer, scheduler, layout, cfg.optim.grad_clip)
     if is_main:
-        logger.info("model: %d parameters; corpus unigram entropy %.4f nats/byte", model.num_params(), entropy)
+        logger.info(
+            "model: %d parameters, %.3g training FLOPs/token; corpus unigram entropy %.4f nats/byte",
+            n_params, flops_per_token, entropy,
+        )
 
-    ckpt_path = run_dir / "checkpoint.pt"
+    barrier = dist.barrier if layout.distributed else (lambda: None)
+    ckpts = CheckpointManager(run_dir, layout.rank, barrier, keep=cfg.trainer.keep_checkpoints)
     start_step = 0
-    if cfg.trainer.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=layout.device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        if is_main:
-            logger.info("resumed from %s at step %d", ckpt_path, start_step)
+    if cfg.trainer.resume:
+        found = ckpts.latest() if is_main else None
+        found = _broadcast_object(found, layout)
+        if found is not None:
+            client = engine.load(found.path)
+            start_step = int(client["step"])
+            _set_rng_state(torch.load(found.path / f"rng_rank{layout.rank}.pt", weights_only=False), layout.device)
+            if is_main:
+                logger.info("resumed from %s at step %d", found.path, start_step)
+        elif is_main:
+            logger.info("trainer.resume: no complete checkpoint in %s, starting at step 0", ckpts.root)
 
     def save(step: int) -> None:
-        if is_main:
-            _atomic_save(
-                {
-                    "model": model.state_dict(),
-                    "optim": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "step": step,
-                    "config": asdict(cfg),
-                },
-                ckpt_path,
-            )
+        def write(tmp: Path) -> None:
+            engine.save(tmp, {"step": step, "config": asdict(cfg)})
+            torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
 
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if is_main else None
+        ckpts.save(step, write)
+
     history: list[dict] = []
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main and metrics_path.exists():
+        # Keep the history of the run being continued (up to its checkpoint); a fresh run or
+        # steps after the checkpoint (lost with a killed process) are dropped.
+        kept = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        history = [m for m in kept if m["step"] <= start_step] if start_step else []
+        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in history))
+    metrics_file = open(metrics_path, "a") if is_main else None
 
     def record(entry: dict) -> None:
         history.append(entry)
@@ -378,6 +544,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
             metrics_file.flush()
 
     global_tokens = cfg.data.batch_size * cfg.data.seq_len
+    n_gpus = layout.world_size if layout.device.type == "cuda" else 0
     val_loss = float("nan")
     bar = tqdm(
         total=cfg.trainer.max_steps,
@@ -386,43 +553,44 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         dynamic_ncols=True,
         desc="train",
     )
-    train_time = 0.0
-    model.train()
+    train_time, tok_rates, mfus = 0.0, [], []
+    engine.train()
     try:
         for step in range(start_step, cfg.trainer.max_steps):
             t0 = time.perf_counter()
             x, y = corpus.train_batch(step, layout.dp_rank, layout.dp, layout.cp_rank, layout.cp)
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = _loss_sum(model, x, y, layout)
-            (loss_sum / global_tokens).backward()
-            loss = _sync_grads_and_loss(params, loss_sum, layout) / global_tokens
+            loss_sum = _loss_sum(engine, x, y, layout, cfg)
+            engine.backward(loss_sum / global_tokens)
+            loss = engine.reduce(loss_sum) / global_tokens
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}")
-            if cfg.optim.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
+            lr = engine.lr
+            grad_norm = engine.step()
+            if layout.device.type == "cuda":
+                torch.cuda.synchronize(layout.device)
             dt = time.perf_counter() - t0
             train_time += dt
             tok_s = global_tokens / dt
-            record({"step": step + 1, "loss": loss, "tokens_per_s": tok_s, "lr": lr, "grad_norm": grad_norm})
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
+            entry = {"step": step + 1, "loss": loss, "tokens_per_s": tok_s, "lr": lr, "grad_norm": grad_norm}
+            if n_gpus:
+                entry["mfu"] = tok_s * flops_per_token / (n_gpus * cfg.trainer.peak_tflops * 1e12)
+                mfus.append(entry["mfu"])
+            tok_rates.append(tok_s)
+            record(entry)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", **({"mfu": f"{entry['mfu']:.1%}"} if n_gpus else {}))
             bar.update(1)
             done = step + 1
             if is_main and (done % cfg.trainer.log_every == 0 or done == 1):
                 logger.info("step %d loss %.4f tokens/s %.0f lr %.2e", done, loss, tok_s, lr)
             if cfg.trainer.val_every and done % cfg.trainer.val_every == 0 and done < cfg.trainer.max_steps:
-                val_loss = evaluate(model, corpus, layout)
+                val_loss = evaluate(engine, corpus, layout, cfg)
                 record({"step": done, "val_loss": val_loss})
                 if is_main:
                     logger.info("step %d val_loss %.4f (unigram entropy %.4f)", done, val_loss, entropy)
-            if cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0:
+            if cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0 and done < cfg.trainer.max_steps:
                 save(done)
         bar.close()
-        val_loss = evaluate(model, corpus, layout)
+        val_loss = evaluate(engine, corpus, layout, cfg)
         record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
         save(cfg.trainer.max_steps)
     finally:
@@ -430,6 +598,9 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         if metrics_file is not None:
             metrics_file.close()
 
+    peak = torch.tensor([peak_memory_bytes(layout.device)], dtype=torch.float64, device=layout.device)
+    if layout.distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     summary = {
         "val_loss": val_loss,
         "unigram_entropy": entropy,
@@ -438,10 +609,17 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "cpu_time_s_rank0": time.process_time() - cpu_start,
+        "median_tokens_per_s": float(np.median(tok_rates)) if tok_rates else float("nan"),
+        "median_mfu": float(np.median(mfus)) if mfus else None,
+        "train_flops_per_token": flops_per_token,
+        "peak_memory_gib": float(peak) / 2**30,
+        "peak_memory_kind": "cuda max_memory_allocated" if layout.device.type == "cuda" else "max RSS",
         "world_size": layout.world_size,
         "dp": layout.dp,
         "cp": layout.cp,
-        "params": model.num_params(),
+        "strategy": cfg.parallel.strategy,
+        "zero_stage": cfg.deepspeed.stage,
+        "params": n_params,
         "run_dir": str(run_dir),
     }
     if is_main:
@@ -449,11 +627,10 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         if cfg.trainer.plot:
             _plot(run_dir, history, entropy)
         logger.info(
-            "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (%d steps, %.0f s)",
-            val_loss,
-            entropy,
-            cfg.trainer.max_steps,
-            summary["wall_time_s"],
+            "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (%d steps, %.0f s) | "
+            "median %.0f tokens/s%s | peak memory %.2f GiB (%s)",
+            val_loss, entropy, cfg.trainer.max_steps, summary["wall_time_s"], summary["median_tokens_per_s"],
+            f", MFU {summary['median_mfu']:.1%}" if mfus else "", summary["peak_memory_gib"], summary["peak_memory_kind"],
         )
     return summary
 

@@ -29,6 +29,7 @@ TINY = [
     "trainer.val_every=0",
     "trainer.progress=false",
     "trainer.plot=false",
+    "parallel.threads_per_rank=1",
 ]
 
 
@@ -91,9 +92,13 @@ def test_tiny_run_writes_outputs(tmp_path):
     lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "tokens_per_s", "lr"} <= set(lines[0])
     assert any("val_loss" in m for m in lines)
-    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert ckpt["step"] == 3 and "model" in ckpt and "optim" in ckpt
-    assert not (run / "checkpoint.pt.tmp").exists()
+    ckpt_dir = run / "checkpoints" / "step_00000003"
+    ckpt = torch.load(ckpt_dir / "state.pt", weights_only=False)
+    assert ckpt["step"] == 3 and {"model", "optim", "scheduler"} <= set(ckpt)
+    assert (ckpt_dir / "MANIFEST.json").exists() and (ckpt_dir / "rng_rank0.pt").exists()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    summary_file = json.loads((run / "summary.json").read_text())
+    assert summary_file["peak_memory_gib"] > 0 and summary_file["train_flops_per_token"] > 0
     assert (run / "config.yaml").exists() and (run / "summary.json").exists()
     assert math.isfinite(summary["val_loss"]) and 2.0 < summary["unigram_entropy"] < 5.0
 
