@@ -59,28 +59,38 @@ def test_chunk_kda_autograd_tilelang(B, T, H, K):
         assert_close(name, r, x.cpu(), TOL[name])
 
 
-CASES = [
+# Shard cuts on the chunk grid of the sequence they cut (64-token chunks counted from each
+# sequence's start): the shards run exactly the unsharded chunks, so the CP result must match the
+# unsharded kernels to 1e-3 (only the summary/scan path differs).
+ALIGNED = [
     # id, P, T, shard lengths, cu_seqlens
     ("P2-dense", 2, 2048, None, None),
+    ("P4-packed-aligned", 4, 2003, [512, 756, 512, 223], [0, 15, 256, 756, 1956, 2003]),
+]
+# Cuts off the grid: the shards chunk differently from the unsharded run, so both carry their own
+# bf16 rounding (each ~4e-3 from fp64); the check is against fp64 at the kernel tolerances.
+UNALIGNED = [
     ("P4-dense-uneven", 4, 3000, [1000, 63, 1200, 737], None),
-    ("P4-packed", 4, 2003, [500, 501, 500, 502], [0, 15, 256, 756, 1956, 2003]),
+    ("P4-packed-uneven", 4, 2003, [500, 501, 500, 502], [0, 15, 256, 756, 1956, 2003]),
 ]
 
 
-@pytest.mark.parametrize("P,T,lengths,cu", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("P,T,lengths,cu", [c[1:] for c in ALIGNED + UNALIGNED],
+                         ids=[c[0] for c in ALIGNED + UNALIGNED])
 def test_cp_shards_in_one_process_tilelang(P, T, lengths, cu):
     B = 2 if cu is None else 1
     n = B if cu is None else len(cu) - 1
     H, K = 4, 128
     q, k, v, g, beta, h0, do, dfinal = _inputs(B, T, H, K, n, seed=P * T)
-    o_u, f_u, g_u = _unsharded_tilelang(q, k, v, g, beta, h0, do, dfinal, cu)
     o, f, grads = cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=P, lengths=lengths, cu_seqlens=cu,
                                               initial_state=h0, output_final_state=True, do=do, dfinal=dfinal,
                                               backend="tilelang")
-    assert_close("o vs unsharded", o_u.float(), o.float(), 1e-3)
-    assert_close("final vs unsharded", f_u, f, 1e-3)
-    for name, r, x in zip(NAMES, g_u, grads):
-        assert_close(f"{name} vs unsharded", r.float(), x.float(), 1e-3)
+    if (lengths, cu) in [(c[3], c[4]) for c in ALIGNED]:
+        o_u, f_u, g_u = _unsharded_tilelang(q, k, v, g, beta, h0, do, dfinal, cu)
+        assert_close("o vs unsharded", o_u.float(), o.float(), 1e-3)
+        assert_close("final vs unsharded", f_u, f, 1e-3)
+        for name, r, x in zip(NAMES, g_u, grads):
+            assert_close(f"{name} vs unsharded", r.float(), x.float(), 1e-3)
     o_ref, f_ref, g_ref = _fp64_reference(q, k, v, g, beta, h0, do, dfinal, cu)
     assert_close("o vs fp64", o_ref, o.cpu(), TOL["o"])
     assert_close("final vs fp64", f_ref, f.cpu(), TOL["final"])
