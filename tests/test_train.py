@@ -138,3 +138,33 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
     ref_gn, got_gn = _losses(tmp_path / "single", "grad_norm"), _losses(tmp_path / "multi", "grad_norm")
     for a, b in zip(ref_gn, got_gn):
         assert abs(a - b) / abs(a) < 1e-4, (ref_gn, got_gn)
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("parallel.strategy=zigzag", "parallel.strategy"),
+        ("parallel.ulysses_impl=mpi", "parallel.ulysses_impl"),
+        ("trainer.precision=fp8", "trainer.precision"),
+        ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
+        ("deepspeed.stage=4", "deepspeed.stage"),
+        ("model.layer_pattern=KKX", "model.layer_pattern"),
+    ],
+)
+def test_bad_scale_config_names_the_field(override, field):
+    from omegaconf import OmegaConf
+
+    with pytest.raises(Exception, match=field.replace(".", r"\.")) as info:
+        OmegaConf.to_object(_cfg([override]))
+    assert isinstance(info.value, ValueError) or isinstance(info.value.__cause__, ValueError)
+
+
+def test_deepspeed_and_experiment_configs_compose():
+    from omegaconf import OmegaConf
+
+    for stage in (1, 2, 3):
+        assert OmegaConf.to_object(_cfg([f"deepspeed=zero{stage}"])).deepspeed.stage == stage
+    assert OmegaConf.to_object(_cfg([])).deepspeed.stage == 0
+    exp = OmegaConf.to_object(_cfg(["+experiment=h200_hybrid_64k"]))
+    assert (exp.data.seq_len, exp.model.layer_pattern, exp.parallel.cp, exp.trainer.precision) == (65536, "KKKA", 1, "bf16")
+    assert exp.model.backend == "auto" and exp.parallel.device == "cuda" and exp.trainer.max_steps >= 200
