@@ -143,8 +143,13 @@ class Backend:
 
     name = "abstract"
 
-    def fwd(self, q, k, v, g, beta, h0, opts: KDAOptions, cu_seqlens=None):
-        """-> (o [B, T, H, V], ht [N, H, K, V])."""
+    def prepare(self, q, k, v, g, beta, opts: KDAOptions, cu_seqlens=None):
+        """The state-independent half of ``fwd`` (gates, UT transform), or None where the backend
+        does not split. Context parallelism runs it while the ranks exchange their states."""
+        return None
+
+    def fwd(self, q, k, v, g, beta, h0, opts: KDAOptions, cu_seqlens=None, prepared=None):
+        """-> (o [B, T, H, V], ht [N, H, K, V]); ``prepared`` is ``prepare``'s result for these inputs."""
         raise NotImplementedError
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts: KDAOptions, cu_seqlens=None) -> Grads:
@@ -165,9 +170,13 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
+    def prepare(self, q, k, v, g, beta, opts, cu_seqlens=None):
+        return reference.chunk_kda_torch_prepare(q, k, v, g, beta, cu_seqlens, opts.chunk_size)
+
+    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
         return reference.chunk_kda_torch(
-            q, k, v, g, beta, opts.scale, h0, True, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size
+            q, k, v, g, beta, opts.scale, h0, True, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size,
+            prepared=prepared,
         )
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
@@ -206,7 +215,7 @@ class TileLangBackend(Backend):
     def __init__(self, kernels):
         self.kernels = kernels
 
-    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None):
+    def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
         return self.kernels.chunk_kda_fwd(
             q, k, v, g, beta, scale=opts.scale, initial_state=h0.float().contiguous(), output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,

@@ -22,9 +22,11 @@ Inputs are not validated here; :func:`kda_cp.ops.chunk_kda` is the checked publi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_summary_torch", "SUB_CHUNK"]
+__all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_torch_prepare", "chunk_kda_summary_torch", "SUB_CHUNK"]
 
 #: Length of the sub-chunks inside a chunk. Decay factors are only ever formed between positions
 #: of one sub-chunk or through the boundary between two sub-chunks, so no exponent is positive.
@@ -145,10 +147,21 @@ def _decayed_products(
     return out
 
 
-def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
-    """Chunked KDA for one dense batch. Inputs already in the compute dtype; returns (o, ht)."""
+class _ChunkIntra(NamedTuple):
+    """The state-independent part of the chunked forward for one dense batch ([B, H, N, C, *])."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    k_out: torch.Tensor  # k_r * exp(gamma_C - gamma_r)
+    decay_last: torch.Tensor  # exp(gamma_C), [B, H, N, K, 1]
+    qg: torch.Tensor | None  # q * exp(gamma)
+    a_qk: torch.Tensor | None  # Tril((Gamma*Q)(K/Gamma)^T), diagonal included
+    T: int
+
+
+def _chunk_intra(q, k, v, g, beta, chunk_size, with_output=True) -> _ChunkIntra:
+    """Gates, decayed products and the UT transform of every chunk: no state needed."""
     B, T, H, K = k.shape
-    V = v.shape[-1]
     C = chunk_size
     N = (T + C - 1) // C
     pad = N * C - T
@@ -172,30 +185,60 @@ def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     rhs = torch.cat([Gam * kc, vc], dim=-1) * bc[..., None]
     wu = torch.linalg.solve_triangular(eye + a_kk, rhs, upper=False, unitriangular=True)
-    w, u = wu[..., :K], wu[..., K:]
-    k_out = kc * (gam_last - gamma).exp()  # k_r * exp(gamma_C - gamma_r)
-    decay_last = gam_last.exp()[..., 0, :, None]  # [B, H, N, K, 1]
+    qg = a_qk = None
     if with_output:
         qg = qc * Gam
         a_qk = _decayed_products(qc, kc, gamma, False, anchored)
+    return _ChunkIntra(wu[..., :K], wu[..., K:], kc * (gam_last - gamma).exp(), gam_last.exp()[..., 0, :, None],
+                       qg, a_qk, T)
+
+
+def _chunk_state_pass(intra: _ChunkIntra, h0, scale):
+    """The sequential pass over chunks from h0: -> (o [B, T, H, V] or None, final state)."""
+    B, H, N, C, V = intra.u.shape
     S = h0
     outs = []
     for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        if with_output:
-            outs.append(qg[:, :, n] @ S + a_qk[:, :, n] @ v_new)
-        S = decay_last[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
+        v_new = intra.u[:, :, n] - intra.w[:, :, n] @ S
+        if intra.qg is not None:
+            outs.append(intra.qg[:, :, n] @ S + intra.a_qk[:, :, n] @ v_new)
+        S = intra.decay_last[:, :, n] * S + intra.k_out[:, :, n].transpose(-1, -2) @ v_new
     o = None
-    if with_output:
+    if intra.qg is not None:
         if N:
-            o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T] * scale
+            o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, : intra.T] * scale
         else:
-            o = v.new_zeros(B, 0, H, V)
+            o = h0.new_zeros(B, 0, H, V)
     return o, S
+
+
+def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):
+    """Chunked KDA for one dense batch. Inputs already in the compute dtype; returns (o, ht)."""
+    return _chunk_state_pass(_chunk_intra(q, k, v, g, beta, chunk_size, with_output), h0, scale)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def chunk_kda_torch_prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> list[_ChunkIntra]:
+    """The state-independent half of :func:`chunk_kda_torch` (gates, decayed products, UT transform),
+    one entry per sequence (or one for a dense batch). Context parallelism runs it while the ranks
+    exchange their states, then passes it to :func:`chunk_kda_torch` as ``prepared``."""
+    cdt = _compute_dtype(q.dtype)
+    q_, k_, v_, g_, b_ = (x.to(cdt) for x in (q, k, v, g, beta))
+    if cu_seqlens is None:
+        return [_chunk_intra(q_, k_, v_, g_, b_, chunk_size)]
+    return [_chunk_intra(q_[:, a:b], k_[:, a:b], v_[:, a:b], g_[:, a:b], b_[:, a:b], chunk_size)
+            for a, b in _segments(cu_seqlens, q.shape[1])]
 
 
 def chunk_kda_torch(
@@ -209,6 +252,7 @@ def chunk_kda_torch(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    prepared: list[_ChunkIntra] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA in plain torch (DESIGN.md §2), differentiable by autograd.
 
@@ -221,7 +265,8 @@ def chunk_kda_torch(
     g <= 0 works here, bounded or not.
 
     Args/Returns: as :func:`naive_recurrent_kda`, plus ``chunk_size`` (a multiple of 16, or less
-    than 16). T need not be a multiple of ``chunk_size``.
+    than 16) and ``prepared`` (the output of :func:`chunk_kda_torch_prepare` for the same inputs,
+    to skip the state-independent half). T need not be a multiple of ``chunk_size``.
 
     Numerics:
         Computed in promote(q.dtype, fp32); o is cast back to q's dtype, the state is fp32 (fp64 for
@@ -230,19 +275,19 @@ def chunk_kda_torch(
     cdt = _compute_dtype(q.dtype)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q_, k_, v_, g_, b_ = (x.to(cdt) for x in (q, k, v, g, beta))
+    if prepared is None:
+        prepared = chunk_kda_torch_prepare(q, k, v, g, beta, cu_seqlens, chunk_size)
     if cu_seqlens is None:
-        h0 = q_.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cdt)
-        o, ht = _chunk_kda_dense(q_, k_, v_, g_, b_, scale, h0, chunk_size)
+        h0 = q.new_zeros(B, H, K, V, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+        o, ht = _chunk_state_pass(prepared[0], h0, scale)
     else:
         outs, finals = [], []
-        for i, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
-            h0 = q_.new_zeros(1, H, K, V) if initial_state is None else initial_state[i : i + 1].to(cdt)
-            sl = slice(bos, eos)
-            o_i, h_i = _chunk_kda_dense(q_[:, sl], k_[:, sl], v_[:, sl], g_[:, sl], b_[:, sl], scale, h0, chunk_size)
+        for i, intra in enumerate(prepared):
+            h0 = q.new_zeros(1, H, K, V, dtype=cdt) if initial_state is None else initial_state[i : i + 1].to(cdt)
+            o_i, h_i = _chunk_state_pass(intra, h0, scale)
             outs.append(o_i)
             finals.append(h_i)
-        o = torch.cat(outs, dim=1) if outs else v_.new_zeros(1, 0, H, V)
+        o = torch.cat(outs, dim=1) if outs else q.new_zeros(1, 0, H, V, dtype=cdt)
         ht = torch.cat(finals, dim=0)
     return o.to(q.dtype), (ht if output_final_state else None)
 

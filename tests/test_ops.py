@@ -72,3 +72,18 @@ def test_gate_below_the_declared_bound(inputs):
         chunk_kda(q, k, v, g, beta, g_min=-6.0)
     o, _ = chunk_kda(q, k, v, g, beta, g_min=None)  # no declared bound: the torch backend takes any g <= 0
     assert torch.isfinite(o).all()
+
+
+def test_prepared_forward_is_the_same_forward():
+    """CP runs the state-independent half during the exchange; the result must not change."""
+    from kda_cp.ops import KDAOptions, get_backend
+
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 8, 4, dtype=torch.float32, with_h0=False)
+    cu = torch.tensor([0, 40, 41, 150])
+    h0 = torch.randn(3, 2, 8, 4)
+    backend = get_backend("torch", q, k, v, g, beta)
+    opts = KDAOptions(scale=0.3)
+    prepared = backend.prepare(q, k, v, g, beta, opts, cu)
+    o1, s1 = backend.fwd(q, k, v, g, beta, h0, opts, cu)
+    o2, s2 = backend.fwd(q, k, v, g, beta, h0, opts, cu, prepared=prepared)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)

@@ -4,7 +4,9 @@ Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
   1. summarize the shard's last segment: (M, S~) with S_out = M S_in + S~. When that segment
      starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~);
   2. exchange the pairs (all-gather + local scan, or a log-depth scan over point-to-point
-     sends); the exclusive prefix gives the state entering the shard's first token;
+     sends); the exclusive prefix gives the state entering the shard's first token. The
+     all-gather is issued asynchronously and the local work that needs no incoming state (gates,
+     decayed products, UT transform: ``Backend.prepare``) runs while it is in flight;
   3. the ordinary chunk forward of the shard's segments from their true incoming states.
 Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the shard):
   1. G_r = gradient of the shard's incoming state from its own outputs (and the final states
@@ -86,13 +88,21 @@ def _local_h0(h0_global, s_in, plan):
     return rows
 
 
-def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool) -> scan.AffineMap:
-    """This rank's exclusive prefix (forward) or transposed suffix (reverse) of the pairs."""
+def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=None) -> scan.AffineMap:
+    """This rank's exclusive prefix (forward) or transposed suffix (reverse) of the pairs.
+
+    ``overlap``: a callable run while the all-gather is in flight (its result is discarded here;
+    the callable keeps what it needs).
+    """
     if plan.exchange == "p2p":
+        if overlap is not None:
+            overlap()
         if reverse:
             pair = scan.AffineMap(pair.M.transpose(-1, -2), pair.S)
         return p2p_exclusive_scan(pair, group, reverse=reverse)
-    maps = scan.AffineMap(all_gather_stack(pair.M, group), all_gather_stack(pair.S, group))
+    K = pair.M.shape[-1]
+    packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
+    maps = scan.AffineMap(packed[..., :K], packed[..., K:])
     if reverse:
         out = scan.reverse_transposed_exclusive_scan(maps, plan.scan_method)
     else:
@@ -121,11 +131,17 @@ def _shard_pair(backend, opts, plan, k, v, g, beta, h0) -> scan.AffineMap:
     return scan.AffineMap(torch.zeros_like(M), M @ h0_last.to(sdt) + St.to(sdt))
 
 
-def _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in):
+def _shard_prepare(backend, opts, plan, q, k, v, g, beta):
+    """Forward 2 (during the exchange): the state-independent half of the local forward."""
+    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    return backend.prepare(q, k, v, g, beta, opts, cu_local)
+
+
+def _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared=None):
     """Forward 3: the local chunk forward from the true incoming states -> (o, ht, h0_local)."""
     h0_local = _local_h0(h0, s_in, plan)
     cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
-    o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local)
+    o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local, prepared=prepared)
     return o, ht, h0_local
 
 
@@ -204,8 +220,10 @@ class CPChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
         pair = _shard_pair(backend, opts, plan, k, v, g, beta, h0)
         h0 = h0.to(pair.M.dtype)
-        s_in = _exclusive(pair, plan, group, reverse=False).S  # the prefix's M multiplies a don't-care
-        o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in)
+        prepared = []  # the state-independent work runs while the pairs are in flight
+        s_in = _exclusive(pair, plan, group, reverse=False,
+                          overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
+        o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared[0])
         ctx.save_for_backward(q, k, v, g, beta, h0_local)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
         if not opts.output_final_state:

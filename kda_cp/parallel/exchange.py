@@ -33,13 +33,21 @@ def group_rank_and_size(group) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
-    """Stack ``x`` from every rank of ``group`` on a new dim 0: [P, *x.shape]. Same shape on all ranks."""
+def all_gather_stack(x: torch.Tensor, group, overlap=None) -> torch.Tensor:
+    """Stack ``x`` from every rank of ``group`` on a new dim 0: [P, *x.shape]. Same shape on all ranks.
+
+    ``overlap``: optional callable run after the all-gather is issued and before waiting for it.
+    """
     _, size = group_rank_and_size(group)
     if size == 1:
+        if overlap is not None:
+            overlap()
         return x[None]
     out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x.contiguous().view(-1), group=group)
+    work = _all_gather_flat(out, x.contiguous().view(-1), group=group, async_op=True)
+    if overlap is not None:
+        overlap()
+    work.wait()
     return out.view(size, *x.shape)
 
 
