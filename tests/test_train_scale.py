@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from _deepspeed import require_deepspeed
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,10 +75,6 @@ def _metrics(run_dir: Path, key: str) -> dict[int, float]:
     return {m["step"]: m[key] for m in lines if key in m}
 
 
-def _has_deepspeed() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, the same global batches: the curve every layout must reproduce."""
@@ -87,8 +85,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_layouts_give_the_loss_curve_of_one_process(reference, tmp_path, name):
-    if name.startswith("zero") and not _has_deepspeed():
-        pytest.fail("deepspeed is not installed (pip install deepspeed==0.19.8)")
+    if name.startswith("zero"):
+        require_deepspeed()
     cases = [TINY + CONFIGS[name] + [f"parallel.cp={cp}", f"trainer.run_dir={tmp_path / lay}"] for lay, cp in LAYOUTS.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "tests/_train_layouts.py", json.dumps(cases)]
@@ -151,8 +149,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("ds", ["none", "zero3"])
 def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
-    if ds != "none" and not _has_deepspeed():
-        pytest.fail("deepspeed is not installed (pip install deepspeed==0.19.8)")
+    if ds != "none":
+        require_deepspeed()
     extra = [f"deepspeed={ds}"]
     full = _launch(tmp_path / "full", extra)
     _, err = full.communicate(timeout=300)
