@@ -135,13 +135,12 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
         (see kernels/NOTES.md).
     """
-    from .intra import build_intra_kernel
-    from .state import build_state_output_kernel
-
     B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
+    from .intra import build_intra_kernel
+    from .state import build_state_output_kernel
     dev = q.device
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -193,10 +192,9 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
         3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (measured relative RMS vs
         fp64 over 1000 tokens: M 1.8e-5, S_tilde 1.4e-6).
     """
+    B, T, H, K, V = _validate(k, k, v, g, beta, None, chunk_size, g_min)
     from .intra import build_intra_summary_kernel
     from .state import build_summary_kernel
-
-    B, T, H, K, V = _validate(k, k, v, g, beta, None, chunk_size, g_min)
     dev = k.device
     C = chunk_size
     SM = torch.empty(B, H, K, V + K, device=dev, dtype=torch.float32)
