@@ -60,6 +60,11 @@ def check_inputs(
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {_shape(q)}")
     B, T, H, K = q.shape
+    if 0 < T < H:
+        _warn_once(
+            f"chunk_kda got q of shape {list(q.shape)} with T = {T} < H = {H}: the layout is [B, T, H, K] "
+            "(time before heads); head-first [B, H, T, K] input would be silently wrong"
+        )
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:

@@ -87,3 +87,12 @@ def test_prepared_forward_is_the_same_forward():
     o1, s1 = backend.fwd(q, k, v, g, beta, h0, opts, cu)
     o2, s2 = backend.fwd(q, k, v, g, beta, h0, opts, cu, prepared=prepared)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+def test_head_first_layout_warns():
+    from kda_cp import ops
+
+    ops._warn_once.cache_clear()
+    q, k, v, g, beta, _ = make_inputs(1, 3, 40, 8, 4, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"T = 3 < H = 40"):
+        chunk_kda(q, k, v, g, beta)

@@ -338,9 +338,12 @@ def cp_chunk_kda(
             int(output_final_state), chunk_size, int(cu_seqlens is not None)]
     table = agree_or_raise(same + [shape[1]], error, cp_group, "cp_chunk_kda")
     if not bool((table[:, 1:-1] == table[0, 1:-1]).all()):
+        names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
+        rows = [[*r[:4], names.get(r[4], "?"), *(bool(x) for x in r[5:7]), r[7], bool(r[8])]
+                for r in table[:, 1:-1].tolist()]
         raise ValueError(
             "cp_chunk_kda: ranks disagree on [B, H, K, V, dtype, has_initial_state, output_final_state, "
-            f"chunk_size, packed]: {table[:, 1:-1].tolist()}"
+            f"chunk_size, packed]: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])
