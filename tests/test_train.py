@@ -168,3 +168,13 @@ def test_deepspeed_and_experiment_configs_compose():
     exp = OmegaConf.to_object(_cfg(["+experiment=h200_hybrid_64k"]))
     assert (exp.data.seq_len, exp.model.layer_pattern, exp.parallel.cp, exp.trainer.precision) == (65536, "KKKA", 1, "bf16")
     assert exp.model.backend == "auto" and exp.parallel.device == "cuda" and exp.trainer.max_steps >= 200
+
+
+def test_bf16_autocast_hybrid_runs(tmp_path):
+    """trainer.precision=bf16 (the GPU default) through KDA and attention layers: finite, trains."""
+    summary = _in_process(tmp_path / "bf16", ["trainer.precision=bf16", "model.layer_pattern=KA", "trainer.max_steps=4"])
+    losses = _losses(tmp_path / "bf16")
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and math.isfinite(summary["val_loss"])
+    fp32 = _in_process(tmp_path / "fp32", ["trainer.precision=fp32", "model.layer_pattern=KA", "trainer.max_steps=4"])
+    assert losses[0] != _losses(tmp_path / "fp32")[0]  # autocast did change the arithmetic
+    assert abs(summary["val_loss"] - fp32["val_loss"]) < 0.05
