@@ -1,18 +1,29 @@
-"""Context parallelism: the sharded KDA op, sharding helpers and the exchange.
+"""Context parallelism: the sharded KDA op, sharding helpers, the exchange, and the sequence-parallel
+pieces of a model (short-conv halo, attention over the gathered sequence, Ulysses, the dp x cp mesh).
 
 Only this package touches torch.distributed.
 """
 
+from kda_cp.parallel.attention import all_gather_sequence, cp_attention
 from kda_cp.parallel.conv import causal_conv1d, halo_exchange, shard_lengths
-from kda_cp.parallel.cp import cp_chunk_kda
+from kda_cp.parallel.cp import cp_chunk_kda, cp_chunk_kda_in_one_process
+from kda_cp.parallel.mesh import ParallelDims
 from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_sequence, split_sequence
+from kda_cp.parallel.ulysses import head_to_seq, seq_to_head, ulysses_kda
 from kda_cp.parallel.varlen import ShardSegments, shard_segments
 
 __all__ = [
+    "cp_chunk_kda",
+    "cp_chunk_kda_in_one_process",
     "causal_conv1d",
     "halo_exchange",
     "shard_lengths",
-    "cp_chunk_kda",
+    "cp_attention",
+    "all_gather_sequence",
+    "ulysses_kda",
+    "seq_to_head",
+    "head_to_seq",
+    "ParallelDims",
     "gather_sequence",
     "shard_bounds",
     "shard_sequence",
