@@ -22,31 +22,11 @@ Prints a markdown table and writes JSON to --out.
 """
 import argparse
 import json
-import statistics
 
 import torch
+from _bench import SHAPES, time_ms
 
-SHAPES = {
-    "S1": dict(B=1, T=32768, H=32, K=128, V=128),
-    "S2": dict(B=8, T=4096, H=32, K=128, V=128),
-    "S3": dict(B=1, T=131072, H=16, K=128, V=128),
-}
 MiB = 2.0 ** 20
-
-
-def time_ms(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def peak_above_base(fn):

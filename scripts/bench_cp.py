@@ -21,40 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
+from _bench import time_ms
 
 from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
-
-
-def _timer(device):
-    if device.type == "cuda":
-        def run(fn, repeats, warmup=2):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(repeats):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            return statistics.median(times)
-    else:
-        def run(fn, repeats, warmup=1):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t))
-            return statistics.median(times)
-    return run
 
 
 def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
@@ -75,7 +47,6 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
     zero = torch.zeros(1, H, K, V, device=device, dtype=sdt)
     others = scan.AffineMap(rnd(P, 1, H, K, K) / K, rnd(P, 1, H, K, V))
     rank = P // 2
-    timer = _timer(device)
 
     def plain_fwd():
         return backend.fwd(q, k, v, g, beta, zero, opts)
@@ -108,11 +79,11 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
     with torch.no_grad():
         res = {
             "T_local": T, "H": H, "K": K, "V": V, "P": P, "backend": backend.name,
-            "plain_fwd_ms": timer(plain_fwd, repeats),
-            "cp_fwd_ms": timer(cp_fwd, repeats),
-            "summary_ms": timer(summary_only, repeats),
-            "plain_fwd_bwd_ms": timer(plain_fwd_bwd, repeats),
-            "cp_fwd_bwd_ms": timer(cp_fwd_bwd, repeats),
+            "plain_fwd_ms": time_ms(plain_fwd, repeats, device=device),
+            "cp_fwd_ms": time_ms(cp_fwd, repeats, device=device),
+            "summary_ms": time_ms(summary_only, repeats, device=device),
+            "plain_fwd_bwd_ms": time_ms(plain_fwd_bwd, repeats, device=device),
+            "cp_fwd_bwd_ms": time_ms(cp_fwd_bwd, repeats, device=device),
         }
     res["fwd_ratio"] = res["cp_fwd_ms"] / res["plain_fwd_ms"]
     res["fwd_bwd_ratio"] = res["cp_fwd_bwd_ms"] / res["plain_fwd_bwd_ms"]

@@ -14,30 +14,9 @@ a test). Prints a markdown table and writes JSON to --out.
 """
 import argparse
 import json
-import statistics
 
 import torch
-
-SHAPES = {
-    "S1": dict(B=1, T=32768, H=32, K=128, V=128),
-    "S2": dict(B=8, T=4096, H=32, K=128, V=128),
-    "S3": dict(B=1, T=131072, H=16, K=128, V=128),
-}
-
-
-def time_ms(fn, repeats, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from _bench import SHAPES, time_ms
 
 
 def make_inputs(B, T, H, K, V, seed=0):

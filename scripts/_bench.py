@@ -1,0 +1,39 @@
+"""Shared by the benchmark scripts: the benchmark shapes and one median timer."""
+
+import statistics
+import time
+
+import torch
+
+#: The shapes of the issues' benchmarks (bf16, gates bounded at -5).
+SHAPES = {
+    "S1": dict(B=1, T=32768, H=32, K=128, V=128),
+    "S2": dict(B=8, T=4096, H=32, K=128, V=128),
+    "S3": dict(B=1, T=131072, H=16, K=128, V=128),
+}
+
+
+def time_ms(fn, repeats, warmup=2, device="cuda"):
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls.
+
+    On CUDA each call is bracketed by CUDA events (device time of the stream); on the CPU by
+    time.perf_counter.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
