@@ -5,10 +5,10 @@ Only this package touches torch.distributed.
 """
 
 from kda_cp.parallel.attention import all_gather_sequence, cp_attention
-from kda_cp.parallel.conv import causal_conv1d, halo_exchange, shard_lengths
+from kda_cp.parallel.conv import causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda, cp_chunk_kda_in_one_process
 from kda_cp.parallel.mesh import ParallelDims
-from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_sequence, split_sequence
+from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_lengths, shard_sequence, split_sequence
 from kda_cp.parallel.ulysses import head_to_seq, seq_to_head, ulysses_kda
 from kda_cp.parallel.varlen import ShardSegments, shard_segments
 

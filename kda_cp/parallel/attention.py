@@ -25,13 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kda_cp.parallel.conv import shard_lengths
+from kda_cp.parallel.exchange import group_rank_and_size
+from kda_cp.parallel.sharding import shard_lengths
 
 __all__ = ["all_gather_sequence", "cp_attention", "causal_attention"]
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 # torch 2.13 renamed reduce_scatter_tensor (deprecated) to reduce_scatter_single.
@@ -73,12 +70,12 @@ def all_gather_sequence(x: torch.Tensor, cp_group, lengths: list[int] | None = N
     Args:
         x: [B, T_r, ...], this rank's shard (T_r may differ per rank, even be 0).
         cp_group: the CP group (collective: every rank calls it, and runs the backward).
-        lengths: every rank's T_r (from :func:`kda_cp.parallel.conv.shard_lengths`); gathered when None.
+        lengths: every rank's T_r (from :func:`kda_cp.parallel.sharding.shard_lengths`); gathered when None.
 
     Returns:
         [B, T, ...], T = sum of the lengths, in rank order. Its gradient is reduce-scattered back.
     """
-    if _group_size(cp_group) == 1:
+    if group_rank_and_size(cp_group)[1] == 1:
         return x
     if lengths is None:
         lengths = shard_lengths(x, cp_group)
@@ -127,7 +124,7 @@ def cp_attention(
             f"cp_attention: q, k must be [B, T, H, D] and v [B, T, H, Dv] alike, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if _group_size(cp_group) == 1:
+    if group_rank_and_size(cp_group)[1] == 1:
         return causal_attention(q, k, v, 0, scale)
     lengths = shard_lengths(q, cp_group)
     start = sum(lengths[: dist.get_rank(cp_group)])

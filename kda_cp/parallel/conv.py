@@ -23,13 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "halo_exchange", "shard_lengths"]
+from kda_cp.parallel.exchange import group_rank_and_size
+from kda_cp.parallel.sharding import shard_lengths
 
-
-def _group_size(group) -> int:
-    if group is None:
-        return 1
-    return dist.get_world_size(group)
+__all__ = ["causal_conv1d", "halo_exchange"]
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -84,17 +81,6 @@ class _HaloExchange(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def shard_lengths(x: torch.Tensor, cp_group, dim: int = 1) -> list[int]:
-    """Every rank's shard length along ``dim`` (one all-gather of an int64; [T] without a group)."""
-    if _group_size(cp_group) == 1:
-        return [x.shape[dim]]
-    P = dist.get_world_size(cp_group)
-    length = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-    lengths = [torch.empty_like(length) for _ in range(P)]
-    dist.all_gather(lengths, length, group=cp_group)
-    return [int(n.item()) for n in lengths]
-
-
 def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | None = None) -> torch.Tensor:
     """The ``halo`` inputs that precede this rank's shard in the global sequence (differentiable).
 
@@ -103,7 +89,7 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | Non
             and may be shorter than ``halo`` (then the halo spans several earlier ranks).
         halo: number of preceding rows to fetch (W - 1 for a width-W convolution), >= 0.
         cp_group: the context-parallel process group (collective: every rank must call this).
-        lengths: every rank's shard length (from :func:`shard_lengths`); gathered when None.
+        lengths: every rank's shard length (from :func:`kda_cp.parallel.sharding.shard_lengths`); gathered when None.
 
     Returns:
         [B, halo, D] in x's dtype: rows T_start - halo .. T_start - 1 of the global sequence, zeros
@@ -111,7 +97,7 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | Non
     """
     if halo < 0:
         raise ValueError(f"halo must be >= 0, got {halo}")
-    if halo == 0 or _group_size(cp_group) == 1:
+    if halo == 0 or group_rank_and_size(cp_group)[1] == 1:
         return x.new_zeros(x.shape[0], halo, x.shape[2])
     if lengths is None:
         lengths = shard_lengths(x, cp_group)
@@ -194,7 +180,7 @@ def causal_conv1d(
     """
     _check(x, weight, bias)
     W = weight.shape[1]
-    if _group_size(cp_group) > 1:
+    if group_rank_and_size(cp_group)[1] > 1:
         lengths = shard_lengths(x, cp_group)
         start = sum(lengths[: dist.get_rank(cp_group)])
         xp = torch.cat([halo_exchange(x, W - 1, cp_group, lengths), x], dim=1)

@@ -343,7 +343,7 @@ def cp_chunk_kda(
                 for r in table[:, 1:-1].tolist()]
         raise ValueError(
             "cp_chunk_kda: ranks disagree on [B, H, K, V, dtype, has_initial_state, output_final_state, "
-            f"chunk_size, packed]: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
+            "chunk_size, packed]: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from kda_cp.parallel.exchange import all_gather_stack, group_rank_and_size
 
-__all__ = ["shard_bounds", "split_sequence", "shard_sequence", "gather_sequence"]
+__all__ = ["shard_bounds", "split_sequence", "shard_sequence", "gather_sequence", "shard_lengths"]
 
 
 def shard_bounds(total: int, world_size: int, lengths: list[int] | None = None) -> list[tuple[int, int]]:
@@ -71,3 +71,13 @@ def gather_sequence(x: torch.Tensor, cp_group, dim: int = 1) -> torch.Tensor:
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, n_max - x.shape[dim]]
     stacked = all_gather_stack(torch.nn.functional.pad(x, pad), cp_group)
     return torch.cat([stacked[r].narrow(dim, 0, int(shapes[r, dim])) for r in range(size)], dim=dim)
+
+
+def shard_lengths(x: torch.Tensor, cp_group, dim: int = 1) -> list[int]:
+    """Every rank's shard length along ``dim``, in rank order (one all-gather; [T] without a group)."""
+    _, size = group_rank_and_size(cp_group)
+    if size == 1:
+        return [x.shape[dim]]
+    on_gpu = dist.get_backend(cp_group) == "nccl"
+    length = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device if on_gpu else "cpu")
+    return [int(n) for n in all_gather_stack(length, cp_group).view(-1).tolist()]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kda_cp.ops import chunk_kda
-from kda_cp.parallel.conv import shard_lengths
+from kda_cp.parallel.sharding import shard_lengths
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
 
