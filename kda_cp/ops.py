@@ -50,8 +50,13 @@ def check_inputs(
     chunk_size: int = 64,
     check_gate: bool = True,
     g_min: float | None = -5.0,
+    *,
+    layout_warning: bool = True,
 ) -> None:
-    """Validate KDA inputs; raise ValueError naming the argument, its shape and what was expected."""
+    """Validate KDA inputs; raise ValueError naming the argument, its shape and what was expected.
+
+    ``layout_warning``: warn once when T < H (a likely head-first layout); CP shards may be short.
+    """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -60,10 +65,10 @@ def check_inputs(
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {_shape(q)}")
     B, T, H, K = q.shape
-    if 0 < T < H:
+    if layout_warning and 0 < T < H:
         _warn_once(
-            f"chunk_kda got q of shape {list(q.shape)} with T = {T} < H = {H}: the layout is [B, T, H, K] "
-            "(time before heads); head-first [B, H, T, K] input would be silently wrong"
+            "chunk_kda got q with T < H: the layout is [B, T, H, K] (time before heads); "
+            "head-first [B, H, T, K] input would be silently wrong"
         )
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
@@ -266,7 +271,8 @@ def _tilelang_kernels():
 _TORCH = TorchBackend()
 
 
-def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0) -> Backend:
+def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0,
+                chunk_size: int = 64) -> Backend:
     """Resolve a backend name for these inputs.
 
     "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
@@ -287,6 +293,10 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
     kernels, why = _tilelang_kernels()
     if g_min is None:
         kernels, why = None, "the kernels need a declared gate bound g_min in [-5, 0), got g_min=None"
+    elif chunk_size != 64:
+        kernels, why = None, f"the kernels use chunk_size 64, got {chunk_size}"
+    elif not all(x.is_contiguous() for x in (q, k, v, g, beta)):
+        kernels, why = None, "the kernels need contiguous q, k, v, g, beta"
     if kernels is not None:
         ok, why = kernels.is_supported(q, k, v, g, beta, cu_seqlens)
         if ok:
@@ -315,6 +325,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
         grads = ctx.backend.bwd(q, k, v, g, beta, h0, do, dht, ctx.opts, cu_seqlens)
@@ -355,7 +366,7 @@ def chunk_kda(
         initial_state: [N, H, K, V], fp32; N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the state after the last token of each sequence.
         cu_seqlens: int tensor [N + 1] of packed-sequence offsets (FlashAttention convention, B = 1).
-        chunk_size: tokens per chunk (64; a multiple of 16).
+        chunk_size: tokens per chunk (64; a multiple of 16, or any size below 16; the kernels use 64).
         backend: "auto", "torch" or "tilelang" (see :func:`get_backend`).
         check_gate: verify g is finite, <= 0 and >= g_min (one device sync).
         g_min: the declared lower bound of g, in [-5, 0) (Kimi K3: g = g_min * sigmoid(.), g_min = -5
@@ -379,7 +390,7 @@ def chunk_kda(
     V = v.shape[-1]
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min)
+    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

@@ -171,7 +171,7 @@ def _chunk_intra(q, k, v, g, beta, chunk_size, with_output=True) -> _ChunkIntra:
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
 
     def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D]
-        return x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4)
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
     bc = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]

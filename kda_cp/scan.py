@@ -14,7 +14,7 @@ end state is the reverse exclusive scan of the transposed maps x -> M_j^T x + G_
 
 Pairs of all ranks are stacked on dim 0 ([P, ...]). Pure math: no process groups here. Two
 schedules compute the same scans: ``"sequential"`` (P - 1 steps) and ``"log_depth"``
-(Hillis-Steele, ceil(log2 P) steps of batched products). Matrix products run in the tensors'
+(a shift, then Hillis-Steele: ceil(log2(P - 1)) steps of batched products). Matrix products run in the tensors'
 dtype; keep M in fp32 or fp64 (never bf16/TF32: the error would grow with the chain length).
 """
 
@@ -101,7 +101,7 @@ def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineM
         accM = torch.cat([ident.M[None], M[:-1]])
         accS = torch.cat([ident.S[None], S[:-1]])
         d = 1
-        while d < P:
+        while d < P - 1:  # after the shift each element covers 1 map; P - 1 is the most needed
             newM, newS = accM.clone(), accS.clone()
             # element r <- acc[r] o acc[r - d]
             newM[d:] = accM[d:] @ accM[:-d]

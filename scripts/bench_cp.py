@@ -93,7 +93,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
 def bytes_per_rank(P, B, H, K, V, value_bytes=4):
     """Bytes one rank sends per layer (forward + backward) for each exchange strategy."""
     pair = B * H * K * (K + V) * value_bytes
-    rounds = math.ceil(math.log2(P)) + 1 if P > 1 else 0
+    rounds = 1 + math.ceil(math.log2(P - 1)) if P > 1 else 0  # shift + Hillis-Steele rounds
     # ring all-gather: each rank forwards P - 1 pairs; the backward exchanges (M^T, G) the same way.
     return {"allgather": 2 * (P - 1) * pair, "p2p": 2 * rounds * pair}
 

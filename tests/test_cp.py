@@ -107,3 +107,39 @@ def test_bad_input_raises_on_every_rank(case, expect):
     messages = run_ranks(_error_rank, 2, case, timeout=90)
     for rank, (msg, pattern) in enumerate(zip(messages, expect)):
         assert re.search(pattern, msg), f"rank {rank}: {msg!r} does not match {pattern!r}"
+
+
+def _mutation_rank(rank, world):
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+    _, final = cp_chunk_kda(*leaves, cp_group=dist.group.WORLD, initial_state=h0, output_final_state=True)
+    grad = torch.ones_like(final)
+    torch.autograd.backward([final], [grad])
+    return grad
+
+
+def test_backward_leaves_the_callers_gradient_untouched():
+    for grad in run_ranks(_mutation_rank, 2):
+        assert torch.equal(grad, torch.ones_like(grad))
+
+
+def _option_mismatch_rank(rank, world, case):
+    q, k, v, g, beta, _ = make_inputs(1, 32, 2, 8, 4)
+    kwargs = {}
+    if case == "exchange":
+        kwargs["exchange"] = "p2p" if rank else "allgather"
+    if case == "cu_seqlens":
+        kwargs["cu_seqlens"] = torch.tensor([0, 64] if rank == 0 else [0, 9, 64])
+    if case == "scale":
+        kwargs["scale"] = 0.5 if rank else 0.25
+    try:
+        cp_chunk_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["exchange", "cu_seqlens", "scale"])
+def test_ranks_that_disagree_on_options_raise_instead_of_hanging(case):
+    for rank, msg in enumerate(run_ranks(_option_mismatch_rank, 2, case, timeout=90)):
+        assert "ranks disagree on the options" in msg, f"rank {rank}: {msg!r}"

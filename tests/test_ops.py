@@ -94,5 +94,5 @@ def test_head_first_layout_warns():
 
     ops._warn_once.cache_clear()
     q, k, v, g, beta, _ = make_inputs(1, 3, 40, 8, 4, dtype=torch.float32)
-    with pytest.warns(UserWarning, match=r"T = 3 < H = 40"):
+    with pytest.warns(UserWarning, match=r"chunk_kda got q with T < H"):
         chunk_kda(q, k, v, g, beta)

@@ -155,3 +155,14 @@ def test_summary_is_the_affine_map_of_the_segment():
         Mt = (eye - beta[:, t][..., None, None] * kt[..., :, None] * kt[..., None, :]) * g[:, t].exp()[..., None, :]
         M_ref = Mt @ M_ref
     assert_close("M", M_ref, M, 1e-10)
+
+
+def test_empty_sequences_in_a_packed_batch():
+    q, k, v, g, beta, _ = make_inputs(1, 10, 2, 8, 4)
+    h0 = torch.randn(4, 2, 8, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 5, 10, 10])
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)
+    assert torch.equal(s[1], h0[1]) and torch.equal(s[3], h0[3])  # an empty sequence keeps its state

@@ -15,8 +15,10 @@ Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the sh
      seeded with the gradient of the last sequence's final state;
   3. the ordinary chunk backward with dht = D_r at the shard's end.
 
-Communication per rank and call, independent of T: one (M, S) pair of B*H*K*(K+V) fp32 values
-per message; the all-gather moves P of them, the point-to-point scan ceil(log2 P) + 1.
+Communication per rank and call, independent of T: one (M, S) pair of B*H*K*(K+V) values (fp32;
+fp64 for fp64 inputs) per message; the all-gather moves P of them, the point-to-point scan
+1 + ceil(log2(P - 1)). Besides: one small all-gather of metadata (the ranks agree on their inputs
+first), and all-reduces of the per-sequence final states and initial-state gradients when used.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Sum over the group into a new tensor (never in place: x may be the caller's gradient)."""
     if size > 1:
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
     return x
 
@@ -232,6 +235,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         return o, _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0_local = ctx.saved_tensors
         group, backend, opts, plan = ctx.group, ctx.backend, ctx.opts, ctx.plan
@@ -299,32 +303,44 @@ def cp_chunk_kda(
         (o [B, T_r, H, V] for this shard, final_state [N, H, K, V] or None).
 
     Raises:
-        ValueError: on every rank of the group when any rank's inputs are malformed, the ranks
-            disagree on B, H, K, V, dtype or options, cu_seqlens is not increasing from 0 to the
-            sum of the local lengths, or a shard is empty; when this process is not in ``cp_group``.
+        ValueError: on every rank of the group when any rank's inputs are malformed (any exception
+            while checking them is turned into this), the ranks disagree on B, H, K, V, dtype,
+            the options (exchange, scan_method, scale, g_min) or cu_seqlens, cu_seqlens is not
+            increasing from 0 to the sum of the local lengths, or a shard is empty; when this
+            process is not in ``cp_group``.
+
+    Gradients of the replicated ``initial_state`` and final states assume the global loss is the
+    sum of the ranks' losses (as data-parallel training does): do not all-reduce
+    ``initial_state.grad`` over the CP group again.
 
     Collective: every rank of ``cp_group`` must call it (and run backward) in the same order.
     """
     rank, size = group_rank_and_size(cp_group)
-    error = None
+    error, cu_code = None, [0, 0]
     try:
+        if scan_method not in ("sequential", "log_depth"):
+            raise ValueError(f"scan_method must be 'sequential' or 'log_depth', got {scan_method!r}")
         if cu_seqlens is not None:
             if q.dim() != 4 or q.shape[0] != 1:
                 raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got q {list(q.shape)}")
-            n_seq = len(check_cu_seqlens(cu_seqlens)) - 1
+            cs_local = check_cu_seqlens(cu_seqlens)
+            n_seq = len(cs_local) - 1
+            cu_code = [len(cs_local), sum((i + 1) * c for i, c in enumerate(cs_local)) % (1 << 61)]
             if initial_state is not None and initial_state.shape[0] != n_seq:
                 raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
                                  f"got {list(initial_state.shape)}")
-            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min)
+            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False)
             if initial_state is not None:
-                check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min)
+                check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min,
+                             layout_warning=False)
         else:
-            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min)
+            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min, layout_warning=False)
         if q.shape[1] < 1:
             raise ValueError("every rank's shard must hold at least one token (T_r >= 1)")
         exchange_kind = choose_exchange(exchange, size)
-    except ValueError as exc:
+    except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
+        exchange_kind = "allgather"
     if size == 1:
         if error is not None:
             raise ValueError(error)
@@ -332,18 +348,29 @@ def cp_chunk_kda(
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
                          check_gate=False, g_min=g_min)
-    shape = list(q.shape) if q.dim() == 4 else [0, 0, 0, 0]
-    V = v.shape[-1] if v.dim() == 4 else 0
+    ok_shapes = error is None
+    shape = list(q.shape) if ok_shapes else [0, 0, 0, 0]
+    V = v.shape[-1] if ok_shapes else 0
     same = [shape[0], shape[2], shape[3], V, _DTYPES.get(q.dtype, 0), int(initial_state is not None),
             int(output_final_state), chunk_size, int(cu_seqlens is not None)]
-    table = agree_or_raise(same + [shape[1]], error, cp_group, "cp_chunk_kda")
-    if not bool((table[:, 1:-1] == table[0, 1:-1]).all()):
+    options = [int(exchange_kind == "p2p"), int(scan_method == "sequential"),
+               int(round(float(scale or 0.0) * 1e9)) if ok_shapes else 0,
+               int(round(float(g_min or 0.0) * 1e9)) if ok_shapes else 0, *cu_code]
+    device = q.device if ok_shapes else None
+    table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
+    n_same = len(same)
+    if not bool((table[:, 1:1 + n_same] == table[0, 1:1 + n_same]).all()):
         names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
         rows = [[*r[:4], names.get(r[4], "?"), *(bool(x) for x in r[5:7]), r[7], bool(r[8])]
-                for r in table[:, 1:-1].tolist()]
+                for r in table[:, 1:1 + n_same].tolist()]
         raise ValueError(
             "cp_chunk_kda: ranks disagree on [B, H, K, V, dtype, has_initial_state, output_final_state, "
             "chunk_size, packed]: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
+        )
+    if not bool((table[:, 1 + n_same:-1] == table[0, 1 + n_same:-1]).all()):
+        raise ValueError(
+            "cp_chunk_kda: ranks disagree on the options [exchange, scan_method, scale, g_min, cu_seqlens]; "
+            "every rank of the group must pass the same values"
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])
@@ -358,7 +385,7 @@ def cp_chunk_kda(
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    impl = get_backend(backend, q, k, v, g, beta, None, g_min)
+    impl = get_backend(backend, q, k, v, g, beta, None, g_min, chunk_size)
     plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
     sdt = reference._compute_dtype(q.dtype)
     n_states = B if segs is None else n_rows
@@ -418,7 +445,7 @@ def cp_chunk_kda_in_one_process(
         raise ValueError(f"every shard must hold at least one token, got bounds {bounds}")
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    impl = get_backend(backend, q, k, v, g, beta, None, g_min)
+    impl = get_backend(backend, q, k, v, g, beta, None, g_min, chunk_size)
     cs = None if cu is None else check_cu_seqlens(cu, T)
     n_rows = 0 if cs is None else len(cs) - 1
     plans = [

@@ -1,7 +1,8 @@
-"""Collectives used by context parallelism: stacking per-rank tensors and agreeing on inputs.
+"""Collectives used by context parallelism: stacking per-rank tensors, agreeing on inputs, and the
+log-depth point-to-point scan.
 
-The only module besides the CP ops that calls torch.distributed. Every function here is a
-collective: all ranks of ``group`` must call it, in the same order.
+Every function here but ``group_rank_and_size`` is a collective: all ranks of ``group`` must call
+it, in the same order.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise"]
+__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "p2p_exclusive_scan"]
 
 # torch >= 2.13 names the single-tensor all-gather all_gather_single; older releases
 # all_gather_into_tensor. Both take a flat output of P * numel elements on gloo and NCCL.
@@ -51,7 +52,7 @@ def all_gather_stack(x: torch.Tensor, group, overlap=None) -> torch.Tensor:
     return out.view(size, *x.shape)
 
 
-def agree_or_raise(meta: list[int], error: str | None, group, what: str) -> torch.Tensor:
+def agree_or_raise(meta: list[int], error: str | None, group, what: str, device=None) -> torch.Tensor:
     """Exchange small integer metadata and a failure flag so that every rank raises together.
 
     Each rank validates its inputs first, then calls this with its metadata (``meta``) and its
@@ -68,7 +69,11 @@ def agree_or_raise(meta: list[int], error: str | None, group, what: str) -> torc
         table = row[None]
     else:
         backend = dist.get_backend(group)
-        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":  # NCCL needs the inputs' GPU (the rank's own device)
+            dev = device if device is not None and torch.device(device).type == "cuda" else torch.device(
+                "cuda", torch.cuda.current_device())
+        else:
+            dev = torch.device("cpu")
         table = all_gather_stack(row.to(dev), group).cpu()
     if error is not None:
         raise ValueError(error)
@@ -99,7 +104,7 @@ def _sendrecv(send: torch.Tensor | None, to: int | None, recv_like: torch.Tensor
 def p2p_exclusive_scan(pair, group, *, reverse: bool = False):
     """Exclusive scan of affine maps over the ranks of ``group`` by point-to-point sends.
 
-    Hillis-Steele: one shift, then ceil(log2 P) rounds; each round a rank sends one (M, S) pair
+    Hillis-Steele: one shift, then ceil(log2(P - 1)) rounds; each round a rank sends one (M, S) pair
     (B*H*K*(K+V) values) and receives one. Forward (``reverse=False``): rank r gets
     pair_{r-1} o ... o pair_0 (identity on rank 0). Reverse: rank r gets
     pair_{r+1} o ... o pair_{P-1} (identity on the last rank); pass transposed maps for the
@@ -127,7 +132,7 @@ def p2p_exclusive_scan(pair, group, *, reverse: bool = False):
     got = _sendrecv(packed, inside(rank + step), packed, inside(rank - step), group)
     acc = ident if got is None else scan.AffineMap(got[..., :K], got[..., K:])
     d = 1
-    while d < size:
+    while d < size - 1:  # after the shift acc covers 1 rank; P - 1 is the most any rank needs
         packed = torch.cat([acc.M, acc.S], dim=-1)
         got = _sendrecv(packed, inside(rank + step * d), packed, inside(rank - step * d), group)
         if got is not None:
