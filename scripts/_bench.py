@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: the benchmark shapes and one median timer."""
+"""Shared by the benchmark scripts: the benchmark shapes, their inputs and one median timer."""
 
 import statistics
 import time
@@ -11,6 +11,21 @@ SHAPES = {
     "S2": dict(B=8, T=4096, H=32, K=128, V=128),
     "S3": dict(B=1, T=131072, H=16, K=128, V=128),
 }
+
+
+def make_inputs(B, T, H, K, V, seed=0, with_do=False):
+    """bf16 q, k (L2-normalized), v; g = -5 * sigmoid(randn) (fp32, bounded at -5); beta ~ U(0, 1);
+    and do ~ N(0, 1) in bf16 when ``with_do``. On CUDA, from one seeded generator."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    q = r(B, T, H, K).bfloat16()
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1).bfloat16()
+    v = r(B, T, H, V).bfloat16()
+    g = (-5.0 * torch.sigmoid(r(B, T, H, K))).contiguous()
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    if with_do:
+        return q, k, v, g, beta, r(B, T, H, V).bfloat16()
+    return q, k, v, g, beta
 
 
 def time_ms(fn, repeats, warmup=2, device="cuda"):

@@ -24,7 +24,7 @@ import argparse
 import json
 
 import torch
-from _bench import SHAPES, time_ms
+from _bench import SHAPES, make_inputs, time_ms
 
 MiB = 2.0 ** 20
 
@@ -40,18 +40,6 @@ def peak_above_base(fn):
     return peak / MiB
 
 
-def make_inputs(B, T, H, K, V, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
-    q = r(B, T, H, K).bfloat16()
-    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1).bfloat16()
-    v = r(B, T, H, V).bfloat16()
-    g = (-5.0 * torch.sigmoid(r(B, T, H, K))).contiguous()
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    do = r(B, T, H, V).bfloat16()
-    return q, k, v, g, beta, do
-
-
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -61,7 +49,7 @@ def bench_shape(s, repeats, fla_chunk_kda):
     from kda_cp.kernels import chunk_kda_fwd
     from kda_cp.kernels.backward import chunk_kda_bwd, chunk_kda_state_grad
 
-    q, k, v, g, beta, do = make_inputs(**s)
+    q, k, v, g, beta, do = make_inputs(**s, with_do=True)
     scale = s["K"] ** -0.5
     row = dict(s)
 

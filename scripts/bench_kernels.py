@@ -16,18 +16,7 @@ import argparse
 import json
 
 import torch
-from _bench import SHAPES, time_ms
-
-
-def make_inputs(B, T, H, K, V, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
-    q = r(B, T, H, K).bfloat16()
-    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1).bfloat16()
-    v = r(B, T, H, V).bfloat16()
-    g = (-5.0 * torch.sigmoid(r(B, T, H, K))).contiguous()
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    return q, k, v, g, beta
+from _bench import SHAPES, make_inputs, time_ms
 
 
 def profile(shape, fwd, summary, calls=5):
