@@ -271,6 +271,16 @@ def _tilelang_kernels():
 _TORCH = TorchBackend()
 
 
+def dense_on_cuda(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Contiguous copies of strided CUDA inputs (the kernels read dense [B, T, H, *] rows).
+
+    A layer's q, k, v are usually views of one fused projection; copying them costs far less than
+    running the op off the kernels. CPU tensors are returned as they are (the torch backend reads
+    any strides).
+    """
+    return tuple(x.contiguous() if x.is_cuda else x for x in xs)
+
+
 def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0,
                 chunk_size: int = 64) -> Backend:
     """Resolve a backend name for these inputs.
@@ -386,6 +396,7 @@ def chunk_kda(
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
+    q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,

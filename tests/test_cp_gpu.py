@@ -96,3 +96,16 @@ def test_cp_shards_in_one_process_tilelang(P, T, lengths, cu):
     assert_close("final vs fp64", f_ref, f.cpu(), TOL["final"])
     for name, r, x in zip(NAMES, g_ref, grads):
         assert_close(f"{name} vs fp64", r, x.cpu(), TOL[name])
+
+
+def test_strided_views_run_on_the_kernels():
+    """A layer's q, k, v are views of one fused projection: chunk_kda copies them dense and runs the
+    kernels (backend="tilelang" raises if it cannot), equal to the dense call."""
+    B, T, H, K = 1, 300, 2, 128
+    q, k, v, g, beta, h0, do, dfinal = _inputs(B, T, H, K, B, seed=7)
+    fused = torch.cat([q, k, v], dim=-1)  # [B, T, H, 3K]: q, k, v are strided views of it
+    views = fused[..., :K], fused[..., K:2 * K], fused[..., 2 * K:]
+    assert not any(x.is_contiguous() for x in views)
+    o_view, _ = chunk_kda(*views, g, beta, backend="tilelang")
+    o_dense, _ = chunk_kda(q, k, v, g, beta, backend="tilelang")
+    assert torch.equal(o_view, o_dense)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import Backend, BackendName, KDAOptions, check_inputs, chunk_kda, get_backend
+from kda_cp.ops import Backend, BackendName, KDAOptions, check_inputs, chunk_kda, dense_on_cuda, get_backend
 from kda_cp.parallel.exchange import agree_or_raise, all_gather_stack, group_rank_and_size, p2p_exclusive_scan
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
 
@@ -385,6 +385,7 @@ def cp_chunk_kda(
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
+    q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
     impl = get_backend(backend, q, k, v, g, beta, None, g_min, chunk_size)
     plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
     sdt = reference._compute_dtype(q.dtype)
