@@ -2,7 +2,8 @@
 
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
-the CP shard summary launch for the given head dim and dtype.
+the CP shard summary launch for the given head dim and dtype (every initial/final-state variant of the
+forward, as training, CP and Ulysses call it).
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128
 """
@@ -28,7 +29,8 @@ def main():
         scale = float(K**-0.5)
         builds = {
             "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
-            "state+output": lambda: build_state_output_kernel(None, K, K, C, dt, with_h0=True, store_ht=True),
+            **{f"state+output h0={h0} ht={ht}": (lambda h0=h0, ht=ht: build_state_output_kernel(
+                None, K, K, C, dt, with_h0=h0, store_ht=ht)) for h0 in (True, False) for ht in (True, False)},
             "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
             "summary state": lambda: build_summary_kernel(None, K, K, C),
         }
