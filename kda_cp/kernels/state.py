@@ -124,7 +124,7 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
     return compile_kernel(func, name="kda_state_output_fwd")
 
 
-def _summary_func(H, K, V, C, f32, block_v, threads):
+def _summary_func(H, K, V, C, f32, block_v, threads, op):
     NC = T.dynamic("NC")
     N = T.dynamic("N")
     Hn = T.dynamic("H") if H is None else H
@@ -147,53 +147,85 @@ def _summary_func(H, K, V, C, f32, block_v, threads):
             nc = Seq[n, 1]
             col0 = iv * BV  # first augmented column of this block
             is_m = col0 >= V  # this block carries columns of M (else of S~)
+            tx = T.get_thread_binding()
 
-            wh_s = T.alloc_shared([C, K], f32)
-            wl_s = T.alloc_shared([C, K], f32)
-            kh_s = T.alloc_shared([K, C], f32)
-            kl_s = T.alloc_shared([K, C], f32)
-            u_s = T.alloc_shared([C, BV], f32)
+            # TF32 heads/tails of the operands (K-major, as the tensor cores read them)
+            wh_s = T.alloc_shared([C, K], op)
+            wl_s = T.alloc_shared([C, K], op)
+            kh_s = T.alloc_shared([K, C], op)
+            kl_s = T.alloc_shared([K, C], op)
+            sh_s = T.alloc_shared([BV, K], op)  # S^T split
+            sl_s = T.alloc_shared([BV, K], op)
+            vh_s = T.alloc_shared([BV, C], op)  # V'^T split
+            vl_s = T.alloc_shared([BV, C], op)
             ec_s = T.alloc_shared([K], f32)
-            sh_s = T.alloc_shared([BV, K], f32)  # S^T split (K-major operand)
-            sl_s = T.alloc_shared([BV, K], f32)
-            vh_s = T.alloc_shared([BV, C], f32)  # V'^T split
-            vl_s = T.alloc_shared([BV, C], f32)
             S_f = T.alloc_fragment([K, BV], f32)
             vn_f = T.alloc_fragment([C, BV], f32)
+            # registers holding the next chunk's inputs while this chunk computes (prefetch)
+            w_r = T.alloc_fragment([C, K], f32)
+            k_r = T.alloc_fragment([K, C], f32)
+            u_r = T.alloc_fragment([C, BV], f32)
+            e_r = T.alloc_local([1], f32)
 
             for d, j in T.Parallel(K, BV):
                 S_f[d, j] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
 
+            # prologue: chunk 0 (nc >= 1 for every launched sequence of the summary)
+            for i, d in T.Parallel(C, K):
+                w_r[i, d] = W[c0, ih, i, d]
+            for d, i in T.Parallel(K, C):
+                k_r[d, i] = KdT[c0, ih, d, i]
+            for i, j in T.Parallel(C, BV):
+                u_r[i, j] = T.if_then_else(is_m, T.float32(0), U[c0, ih, i, T.min(col0 + j, V - 1)])
+            if tx < K:
+                e_r[0] = Ec[c0, ih, tx]
+            for i, d in T.Parallel(C, K):
+                wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
+                wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
+            for d, i in T.Parallel(K, C):
+                kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
+                kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
+            if tx < K:
+                ec_s[tx] = e_r[0]
+
             for c in T.serial(nc):
-                ci = c0 + c
+                cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
+                # issue the next chunk's W, Kd^T, eC loads; they land during this chunk's GEMMs
                 for i, d in T.Parallel(C, K):
-                    wh_s[i, d] = tf32_hi(W[ci, ih, i, d])
-                    wl_s[i, d] = W[ci, ih, i, d] - tf32_hi(W[ci, ih, i, d])
+                    w_r[i, d] = W[cn, ih, i, d]
                 for d, i in T.Parallel(K, C):
-                    kh_s[d, i] = tf32_hi(KdT[ci, ih, d, i])
-                    kl_s[d, i] = KdT[ci, ih, d, i] - tf32_hi(KdT[ci, ih, d, i])
-                for i, j in T.Parallel(C, BV):
-                    u_s[i, j] = T.if_then_else(is_m, T.float32(0), U[ci, ih, i, T.min(col0 + j, V - 1)])
-                for d in T.Parallel(K):
-                    ec_s[d] = Ec[ci, ih, d]
+                    k_r[d, i] = KdT[cn, ih, d, i]
+                if tx < K:
+                    e_r[0] = Ec[cn, ih, tx]
                 for d, j in T.Parallel(K, BV):
-                    sh_s[j, d] = tf32_hi(S_f[d, j])
-                    sl_s[j, d] = S_f[d, j] - tf32_hi(S_f[d, j])
-                # V' = U - W S
+                    sh_s[j, d] = T.cast(tf32_hi(S_f[d, j]), op)
+                    sl_s[j, d] = T.cast(S_f[d, j] - tf32_hi(S_f[d, j]), op)
+                # V' = U - W S   (3xTF32)
                 T.gemm(wh_s, sh_s, vn_f, transpose_B=True, clear_accum=True)
                 T.gemm(wh_s, sl_s, vn_f, transpose_B=True)
                 T.gemm(wl_s, sh_s, vn_f, transpose_B=True)
                 for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = u_s[i, j] - vn_f[i, j]
+                    vn_f[i, j] = u_r[i, j] - vn_f[i, j]
                 for i, j in T.Parallel(C, BV):
-                    vh_s[j, i] = tf32_hi(vn_f[i, j])
-                    vl_s[j, i] = vn_f[i, j] - tf32_hi(vn_f[i, j])
-                # S <- Diag(eC) S + Kd^T V'
+                    u_r[i, j] = T.if_then_else(is_m, T.float32(0), U[cn, ih, i, T.min(col0 + j, V - 1)])
+                for i, j in T.Parallel(C, BV):
+                    vh_s[j, i] = T.cast(tf32_hi(vn_f[i, j]), op)
+                    vl_s[j, i] = T.cast(vn_f[i, j] - tf32_hi(vn_f[i, j]), op)
+                # S <- Diag(eC) S + Kd^T V'   (3xTF32)
                 for d, j in T.Parallel(K, BV):
                     S_f[d, j] = S_f[d, j] * ec_s[d]
                 T.gemm(kh_s, vh_s, S_f, transpose_B=True)
                 T.gemm(kh_s, vl_s, S_f, transpose_B=True)
                 T.gemm(kl_s, vh_s, S_f, transpose_B=True)
+                # the next chunk's operands, split, into shared memory
+                for i, d in T.Parallel(C, K):
+                    wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
+                    wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
+                for d, i in T.Parallel(K, C):
+                    kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
+                    kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
+                if tx < K:
+                    ec_s[tx] = e_r[0]
 
             T.copy(S_f, SM[n, ih, :, col0 : col0 + BV])
 
@@ -202,17 +234,28 @@ def _summary_func(H, K, V, C, f32, block_v, threads):
 
 @functools.lru_cache(maxsize=None)
 def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *,
-                         block_k=None, block_v=32, threads=128, num_stages=1):
+                         block_k=None, block_v=64, threads=256, num_stages=1,
+                         operand="custom[tfloat32]"):
     """Compile the summary-mode state pass (N, number of chunks and H dynamic).
+
+    One block per (sequence, head, block_v augmented columns): with block_v = 64 the V + K = 256
+    columns of a head take 4 blocks, so B*H = 32 heads fill the H200's 132 SMs in one wave. The
+    next chunk's W, Kd^T, U, eC are loaded into registers while the current chunk's GEMMs run and
+    split into TF32 head/tail in shared memory after them (a register prefetch: shared memory has
+    no room for a second stage of the four K x C operands).
 
     Args:
         H: None (runtime) or an int; K, V, chunk_size static; V and K multiples of block_v.
         dtype, accum_dtype: "float32" (the inputs come from the fp32 summary intra kernel).
+        operand: element type of the split operands in shared memory, "float32" (mma.sync TF32)
+            or "tfloat32" (lets TileLang pick wgmma); the values are exact either way.
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], KdT[NC,H,K,C], Ec[NC,H,K], Seq[N,4] i32,
-        SM[N,H,K,V+K]) writing SM = [S~ | M], all fp32.
+        SM[N,H,K,V+K]) writing SM = [S~ | M], all fp32. Every sequence must have >= 1 chunk.
     """
     if V % block_v or K % block_v or accum_dtype != "float32" or dtype != "float32":
         raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; fp32 only")
-    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads)
+    if threads < K:
+        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC)")
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand)
     return compile_kernel(func, name="kda_state_summary")
