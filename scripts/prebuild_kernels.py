@@ -33,6 +33,7 @@ def main():
                 None, K, K, C, dt, with_h0=h0, store_ht=ht)) for h0 in (True, False) for ht in (True, False)},
             "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
             "summary state": lambda: build_summary_kernel(None, K, K, C),
+            "summary state, 32 columns": lambda: build_summary_kernel(None, K, K, C, block_v=32),
         }
         if not args.no_backward:
             builds.update({

@@ -33,10 +33,11 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht):
     assert "wgmma" in ker.get_kernel_source()
 
 
-def test_summary_kernels_compile():
+@pytest.mark.parametrize("block_v", [64, 32])
+def test_summary_kernels_compile(block_v):
     K = 128
     isrc = build_intra_summary_kernel(None, K, K, 64, "bfloat16").get_kernel_source()
-    src = build_summary_kernel(None, K, K, 64).get_kernel_source()
+    src = build_summary_kernel(None, K, K, 64, block_v=block_v).get_kernel_source()
     for s in (isrc, src):  # M must never pass through a 16-bit or plain single-pass GEMM
         assert "kTensorFloat32" in s
         assert "kBFloat16, tl::DataType::kBFloat16" not in s and "kFloat16, tl::DataType::kFloat16" not in s

@@ -135,7 +135,7 @@ def _summary_oracle(k, v, g, beta):
     return s[..., V:], s[..., :V]
 
 
-@pytest.mark.parametrize("B,T,H,K", [(2, 1000, 4, 128), (1, 333, 2, 64)])
+@pytest.mark.parametrize("B,T,H,K", [(2, 1000, 4, 128), (1, 333, 2, 64), (3, 40, 3, 128)])
 def test_summary_matches_fp64(B, T, H, K):
     V = K
     _, k, v, g, beta = make(B, T, H, K, V, gates="mixed", seed=11 + T)
@@ -143,6 +143,31 @@ def test_summary_matches_fp64(B, T, H, K):
     M_ref, St_ref = _summary_oracle(k, v, g, beta)
     check("M", M_ref, M, SUMMARY_TOL)
     check("S_tilde", St_ref, St, SUMMARY_TOL)
+
+
+SUMMARY_STATE_VARIANTS = [dict(), dict(operand="float32"), dict(block_v=32)]
+
+
+@pytest.mark.parametrize("skw", SUMMARY_STATE_VARIANTS, ids=[str(s) for s in SUMMARY_STATE_VARIANTS])
+def test_summary_state_kernel_variants_match_fp64(skw):
+    """Every tuning knob of the summary state kernel keeps M and S~ within the summary tolerance."""
+    from kda_cp.kernels import _kernel_inputs
+    from kda_cp.kernels._common import build_chunk_tables
+    from kda_cp.kernels.intra import build_intra_summary_kernel
+    from kda_cp.kernels.state import build_summary_kernel
+
+    B, T, H, K, C = 2, 700, 3, 128, 64
+    _, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=29)
+    tab = build_chunk_tables(B, T, None, C, k.device)
+    NC = tab.num_chunks
+    e = lambda *s: torch.empty(*s, device="cuda", dtype=torch.float32)  # noqa: E731
+    W, U, KdT, Ec, SM = e(NC, H, C, K), e(NC, H, C, K), e(NC, H, K, C), e(NC, H, K), e(B, H, K, 2 * K)
+    _, kf, vf, gf, bf = _kernel_inputs(k, k, v, g, beta)
+    build_intra_summary_kernel(None, K, K, C, "bfloat16")(kf, vf, gf, bf, tab.chunk_table, W, U, KdT, Ec)
+    build_summary_kernel(None, K, K, C, **skw)(W, U, KdT, Ec, tab.seq_table, SM)
+    M_ref, St_ref = _summary_oracle(k, v, g, beta)
+    check("M", M_ref, SM[..., K:], SUMMARY_TOL)
+    check("S_tilde", St_ref, SM[..., :K], SUMMARY_TOL)
 
 
 def test_summary_composes_to_final_state():

@@ -211,5 +211,9 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     KdT = torch.empty(NC, H, K, C, device=dev, dtype=torch.float32)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     build_intra_summary_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, KdT, Ec)
-    build_summary_kernel(None, K, V, C)(W, U, KdT, Ec, tables.seq_table, SM)
+    # one block per SM per (row, head, 64 augmented columns); with too few of them for one wave,
+    # 32-column blocks put twice as many blocks to work (e.g. B*H = 16 on 132 SMs)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    block_v = 64 if B * H * (V + K) // 64 >= (3 * sms) // 4 else 32
+    build_summary_kernel(None, K, V, C, block_v=block_v)(W, U, KdT, Ec, tables.seq_table, SM)
     return SM[..., V:].contiguous(), SM[..., :V].contiguous()
