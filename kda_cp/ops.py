@@ -225,10 +225,14 @@ class TileLangBackend(Backend):
     def __init__(self, kernels):
         self.kernels = kernels
 
+    def prepare(self, q, k, v, g, beta, opts, cu_seqlens=None):
+        return self.kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=opts.scale, cu_seqlens=cu_seqlens,
+                                                  chunk_size=opts.chunk_size, g_min=opts.g_min)
+
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
         return self.kernels.chunk_kda_fwd(
             q, k, v, g, beta, scale=opts.scale, initial_state=h0.float().contiguous(), output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
+            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min, prepared=prepared,
         )
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):

@@ -191,3 +191,20 @@ def test_is_supported_on_this_gpu():
     q, k, v, g, beta = make(1, 64, 2, 128, 128)
     ok, why = kernels.is_supported(q, k, v, g, beta)
     assert ok == (torch.cuda.get_device_capability()[0] == 9), why
+
+
+def test_prepared_forward_equals_one_call():
+    """chunk_kda_fwd_prepare + chunk_kda_fwd(prepared=...) (how CP overlaps the exchange) is the
+    same computation as one chunk_kda_fwd call; a prepared result for other inputs is refused."""
+    B, T, H, K = 1, 777, 3, 128
+    q, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=5)
+    cu = torch.tensor([0, 100, 600, 777], device="cuda")
+    h0 = torch.randn(3, H, K, K, device="cuda")
+    prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=0.1, cu_seqlens=cu)
+    o1, f1 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0,
+                                   output_final_state=True, prepared=prep)
+    o2, f2 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0,
+                                   output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)
+    with pytest.raises(ValueError, match="prepared"):
+        kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.2, cu_seqlens=cu, initial_state=h0, prepared=prep)

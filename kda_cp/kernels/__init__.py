@@ -16,11 +16,14 @@ state.py (state pass fused with the output; summary mode). Compiled kernels are 
 configuration (K, V, chunk size, dtype, scale, flags); T, the number of chunks, the number of
 sequences and H are runtime values, so a new sequence length never recompiles.
 """
+from dataclasses import dataclass
+
 import torch
 
 from ._common import build_chunk_tables
 
-__all__ = ["chunk_kda_fwd", "chunk_kda_summary", "is_supported", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary", "is_supported",
+           "SUPPORTED_HEAD_DIMS"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -109,7 +112,7 @@ def _tl_name(dtype):
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0):
+                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0, prepared=None):
     """KDA forward with the TileLang chunk kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -126,10 +129,13 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
             each packed sequence starts from its own initial_state row. Read once on the host.
         chunk_size: 64 (the only tuned value). g_min: the declared gate bound in [-5, 0); the
             kernels rely on g >= -5 (16-token sub-chunks), they do not check it.
+        prepared: :func:`chunk_kda_fwd_prepare`'s result for these inputs (then only the state pass
+            runs), or None.
     Returns:
         o [B, T, H, V] in q's dtype, and final_state [N, H, K, V] fp32 or None.
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes).
+        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes), or
+        a ``prepared`` made for other shapes, scale, chunk size or cu_seqlens.
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
         fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
@@ -139,7 +145,6 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
-    from .intra import build_intra_kernel
     from .state import build_state_output_kernel
     dev = q.device
     o = torch.empty_like(v)
@@ -148,12 +153,50 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
         if ht is not None:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
+    if prepared is None:
+        prepared = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens,
+                                         chunk_size=chunk_size, g_min=g_min)
+    elif prepared.key != (q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens)):
+        raise ValueError("chunk_kda_fwd: `prepared` was made for other inputs "
+                         f"({prepared.key} vs {(q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens))})")
+    W, U, Qg, Kd, Aqk, Ec, tables = prepared.tensors
+    state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
+                                      store_ht=output_final_state)
+    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
+    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)
+    state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
+    return o, ht
+
+
+def _cu_key(cu_seqlens):
+    return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+
+
+@dataclass
+class PreparedForward:
+    """The state-independent half of the forward (chunk_kda_fwd_prepare): per chunk and head, W, U,
+    Qg, Kd, Aqk in the input dtype and eC in fp32, plus the chunk tables. ``key`` ties it to the
+    inputs it was made for."""
+
+    tensors: tuple
+    key: tuple
+
+
+def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
+                          g_min: float = -5.0) -> PreparedForward:
+    """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: DESIGN.md §2):
+    everything of the forward that does not depend on the incoming state. Context parallelism runs
+    it while the ranks exchange their (M, S~) pairs, then ``chunk_kda_fwd(..., prepared=...)`` runs
+    only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
+    """
+    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    from .intra import build_intra_kernel
+    dev = q.device
     C = chunk_size
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
     NC = tables.num_chunks
     dt = _tl_name(q.dtype)
     qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
-
     W = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
     U = torch.empty(NC, H, C, V, device=dev, dtype=q.dtype)
     Qg = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
@@ -162,13 +205,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     intra = build_intra_kernel(None, K, V, C, dt, scale=float(scale))
     intra(qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
-
-    state = build_state_output_kernel(None, K, V, C, dt, with_h0=initial_state is not None,
-                                      store_ht=output_final_state)
-    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
-    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)
-    state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
-    return o, ht
+    return PreparedForward((W, U, Qg, Kd, Aqk, Ec, tables),
+                           (q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens)))
 
 
 def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
