@@ -78,7 +78,6 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
             aqk_s = T.alloc_shared([C, C], dtype)
             vn_s = T.alloc_shared([C, V], dtype)
             dvn_s = T.alloc_shared([C, V], dtype)
-            dec_s = T.alloc_shared([K], f32)
             cv_f = T.alloc_fragment([C, V], f32)
             ck_f = T.alloc_fragment([C, K], f32)
             cc_f = T.alloc_fragment([C, C], f32)
@@ -119,11 +118,12 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
                 ck_f[i, d] = -ck_f[i, d]
             T.copy(ck_f, DW[ic, ih, :, :])
             # deC = rowsum(S * dS')
-            for d in T.Parallel(K):
-                dec_s[d] = T.float32(0)
+            for d in T.Parallel(K):  # one thread per row, accumulated in a register
+                acc = T.alloc_local([1], f32)
+                acc[0] = T.float32(0)
                 for j in T.serial(V):
-                    dec_s[d] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
-            T.copy(dec_s, DEc[ic, ih, :])
+                    acc[0] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
+                DEc[ic, ih, d] = acc[0]
 
     return kda_bwd_dv
 
