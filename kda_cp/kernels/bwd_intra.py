@@ -277,9 +277,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_ut
 
 
-def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
+def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BS = SUB
     SUBS = tuple(range(C // BS))
+    BK = block_k  # key channels per block: every step below is independent per channel
+    GP = BK + 1  # padded row pitch (fp32): column reads gam_s[j, d] over j are bank-conflict free
+    XP = BK + 2  # padded row pitch (16-bit), likewise
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -300,13 +303,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
         DK: T.Tensor([TT, Hn, K], dtype),
         DG: T.Tensor([TT, Hn, K], f32),
     ):
-        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+        with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
             bos = Table[ic, 0]
             eos = Table[ic, 1]
-            gam_s = T.alloc_shared([C, K], f32)
-            dgam_s = T.alloc_shared([C, K], f32)
-            k_s = T.alloc_shared([C, K], dtype)
-            q_s = T.alloc_shared([C, K], dtype)
+            k0 = ik * BK
+            gam_s = T.alloc_shared([C, GP], f32)
+            dgam_s = T.alloc_shared([C, BK], f32)
+            k_s = T.alloc_shared([C, XP], dtype)
+            q_s = T.alloc_shared([C, XP], dtype)
             # dM slices of sub-chunk I, fp32 (bf16/fp16 values are exact in TF32): rows of dAqk and
             # dB, and their columns (transposed)
             aq_s = T.alloc_shared([BS, C], f32)
@@ -314,30 +318,37 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
             aqT_s = T.alloc_shared([BS, C], f32)
             abT_s = T.alloc_shared([BS, C], f32)
             # factor operand, transposed (K-major for TF32), split into TF32 head and tail
-            fh_s = T.alloc_shared([K, C], f32)
-            fl_s = T.alloc_shared([K, C], f32)
-            last_s = T.alloc_shared([K], f32)
-            rq_f = T.alloc_fragment([BS, K], f32)
-            rk_f = T.alloc_fragment([BS, K], f32)
-            cq_f = T.alloc_fragment([BS, K], f32)
-            ck_f = T.alloc_fragment([BS, K], f32)
+            fh_s = T.alloc_shared([BK, C], f32)
+            fl_s = T.alloc_shared([BK, C], f32)
+            rq_f = T.alloc_fragment([BS, BK], f32)
+            rk_f = T.alloc_fragment([BS, BK], f32)
+            cq_f = T.alloc_fragment([BS, BK], f32)
+            ck_f = T.alloc_fragment([BS, BK], f32)
+            pk_f = T.alloc_fragment([BS, BK], f32)  # running sum over rows of Kd * dKd
+            last_f = T.alloc_fragment([BK], f32)
+            last_s = T.alloc_shared([BK], f32)
 
-            for i, d in T.Parallel(C, K):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
-                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
-                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
-            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
-                for i in T.serial(C - 1):
-                    gam_s[i + 1, d] += gam_s[i, d]
+            for i, d in T.Parallel(C, BK):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, k0 + d], T.cast(0, dtype))
+                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, k0 + d], T.cast(0, dtype))
+            T.clear(pk_f)
+            for d in T.Parallel(BK):  # chunk-local cumsum: one thread per channel, in a register
+                acc = T.alloc_local([1], f32)
+                acc[0] = T.float32(0)
+                for i in T.serial(C):
+                    acc[0] += gam_s[i, d]
+                    gam_s[i, d] = acc[0]
 
             for I in SUBS:
                 for r, j in T.Parallel(BS, C):
                     aq_s[r, j] = T.cast(DAqk[ic, ih, BS * I + r, j], f32)
                     ab_s[r, j] = T.cast(DB[ic, ih, BS * I + r, j], f32)
+                for j, r in T.Parallel(C, BS):  # r fastest: 32-byte runs of one row
                     aqT_s[r, j] = T.cast(DAqk[ic, ih, j, BS * I + r], f32)
                     abT_s[r, j] = T.cast(DB[ic, ih, j, BS * I + r], f32)
                 # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
-                for d, j in T.Parallel(K, C):
+                for d, j in T.Parallel(BK, C):
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
                     x = T.if_then_else(
                         j < BS * (I + 1),
@@ -350,14 +361,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                 T.gemm(ab_s, fh_s, rk_f, transpose_B=True, clear_accum=True)
                 T.gemm(ab_s, fl_s, rk_f, transpose_B=True)
                 # ---- column side: columns of sub-chunk I; factor x_i exp(gamma_i - s_I), i >= 16 I ----
-                for d, i in T.Parallel(K, C):
+                for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(q_s[i, d], f32) * (e * scale), T.float32(0))
                     fh_s[d, i] = tf32_hi(x)
                     fl_s[d, i] = x - tf32_hi(x)
                 T.gemm(aqT_s, fh_s, cq_f, transpose_B=True, clear_accum=True)
                 T.gemm(aqT_s, fl_s, cq_f, transpose_B=True)
-                for d, i in T.Parallel(K, C):
+                for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
                     fh_s[d, i] = tf32_hi(x)
@@ -365,7 +376,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                 T.gemm(abT_s, fh_s, ck_f, transpose_B=True, clear_accum=True)
                 T.gemm(abT_s, fl_s, ck_f, transpose_B=True)
                 # ---- assembly for rows i = 16 I + r ----
-                for r, d in T.Parallel(BS, K):
+                for r, d in T.Parallel(BS, BK):
                     i = BS * I + r
                     gi = gam_s[i, d]
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
@@ -379,28 +390,28 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                     dxk = rowf * rk_f[r, d]
                     dkq = colf * cq_f[r, d]
                     dkk = colf * ck_f[r, d]
-                    dgk = Gi * DGk[ic, ih, i, d]
-                    dkd = DKd[ic, ih, i, d]
-                    dqs = Gi * DQg[ic, ih, i, d] + dxq
-                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - kv * dec * dkd
+                    dgk = Gi * DGk[ic, ih, i, k0 + d]
+                    dkd = DKd[ic, ih, i, k0 + d]
+                    dqs = Gi * DQg[ic, ih, i, k0 + d] + dxq
+                    pkd = kv * dec * dkd
+                    pk_f[r, d] += pkd
+                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - pkd
                     if bos + i < eos:
-                        DQ[bos + i, ih, d] = T.cast(dqs * scale, dtype)
-                        DK[bos + i, ih, d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
+                        DQ[bos + i, ih, k0 + d] = T.cast(dqs * scale, dtype)
+                        DK[bos + i, ih, k0 + d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
 
-            # ---- gamma_C terms, then the reverse cumsum over the chunk ----
-            for d in T.Parallel(K):
-                last_s[d] = DEc[ic, ih, d] * T.exp2(gam_s[C - 1, d] * LOG2E)
+            # ---- gamma_C terms (sum_i Kd_i dKd_i + eC deC), then the reverse cumsum over the chunk ----
+            T.reduce_sum(pk_f, last_f, dim=0)
+            T.copy(last_f, last_s)
+            for d in T.Parallel(BK):
+                acc = T.alloc_local([1], f32)
+                acc[0] = last_s[d] + DEc[ic, ih, k0 + d] * T.exp2(gam_s[C - 1, d] * LOG2E)
                 for i in T.serial(C):
-                    last_s[d] += (T.cast(k_s[i, d], f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E)
-                                  * DKd[ic, ih, i, d])
-            for d in T.Parallel(K):
-                dgam_s[C - 1, d] += last_s[d]
-            for d in T.Parallel(K):  # reverse cumsum over the chunk, one thread per channel
-                for i in T.serial(C - 1):
-                    dgam_s[C - 2 - i, d] += dgam_s[C - 1 - i, d]
-            for i, d in T.Parallel(C, K):
+                    acc[0] += dgam_s[C - 1 - i, d]
+                    dgam_s[C - 1 - i, d] = acc[0]
+            for i, d in T.Parallel(C, BK):
                 if bos + i < eos:
-                    DG[bos + i, ih, d] = dgam_s[i, d]
+                    DG[bos + i, ih, k0 + d] = dgam_s[i, d]
 
     return kda_bwd_dk
 
@@ -438,7 +449,7 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
 
 @functools.lru_cache(maxsize=None)
-def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=None,
+def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=64,
                         block_v=None, threads=128, num_stages=1):
     """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
 
@@ -447,8 +458,10 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     dKd[NC,H,C,K] f32, dGk[NC,H,C,K] f32, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows.
     """
-    if chunk_size % SUB or accum_dtype != "float32":
-        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
-                         f"{chunk_size}, {accum_dtype}")
-    return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads),
+    block_k = min(block_k, K)
+    if chunk_size % SUB or accum_dtype != "float32" or K % block_k:
+        raise ValueError(f"chunk_size must be a multiple of {SUB}, accum_dtype float32 and K a multiple "
+                         f"of block_k, got {chunk_size}, {accum_dtype}, K={K}, block_k={block_k}")
+    return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
+                                       block_k),
                           name="kda_bwd_dk")
