@@ -19,8 +19,9 @@ What the forward keeps for the backward: only its inputs (q, k, v, g, beta, h0),
 autograd already saves; everything else is recomputed here. So the memory held between forward and
 backward is the inputs alone, no more than flash-linear-attention's (which keeps at least as much).
 Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk, dAqk,
-dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K fp32) and per chunk Hs, dHs (2 x K x V in the
-input dtype); they are freed as soon as the next stage no longer needs them.
+dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16: accumulated in fp32, rounded once; the fp64
+mirror with these three rounded moves dq, dk, dg by < 2e-4 relative) and per chunk Hs, dHs (2 x K x V
+in the input dtype); they are freed as soon as the next stage no longer needs them.
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
 G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3).
@@ -119,8 +120,9 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     # ---- stage 3: "dv" ----
     dAqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
-    dQg = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
-    dKd = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    mid = torch.bfloat16  # fp32-accumulated intermediates stored in bf16 (range of fp32, even for fp16 input)
+    dQg = torch.empty(NC, H, C, K, device=dev, dtype=mid)
+    dKd = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     dEc = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     dW = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
     dU = torch.empty(NC, H, C, V, device=dev, dtype=dtype)
@@ -130,7 +132,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     # ---- stage 4: "ut" ----
     dB = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
-    dGk = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    dGk = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
                                            dv.view(B * T, H, V), dbeta.view(B * T, H), dB, dGk)
     del W, U, dW, dU

@@ -42,6 +42,7 @@ import tilelang.language as T
 from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
 
 LOG2E = 1.4426950408889634
+MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dQg, dKd, dGk between kernels
 
 
 def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
@@ -60,8 +61,8 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
         DO: T.Tensor([TT, Hn, V], dtype),
         Table: T.Tensor([NC, 2], "int32"),
         DAqk: T.Tensor([NC, Hn, C, C], dtype),
-        DQg: T.Tensor([NC, Hn, C, K], f32),
-        DKd: T.Tensor([NC, Hn, C, K], f32),
+        DQg: T.Tensor([NC, Hn, C, K], MID),
+        DKd: T.Tensor([NC, Hn, C, K], MID),
         DEc: T.Tensor([NC, Hn, K], f32),
         DW: T.Tensor([NC, Hn, C, K], dtype),
         DU: T.Tensor([NC, Hn, C, V], dtype),
@@ -152,7 +153,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
         DV: T.Tensor([TT, Hn, V], dtype),
         DBeta: T.Tensor([TT, Hn], f32),
         DB: T.Tensor([NC, Hn, C, C], dtype),
-        DGk: T.Tensor([NC, Hn, C, K], f32),
+        DGk: T.Tensor([NC, Hn, C, K], MID),
     ):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
             bos = Table[ic, 0]
@@ -254,7 +255,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 if bos + i < eos:
                     DV[bos + i, ih, j] = T.cast(beta_s[i] * dvb_f[i, j], dtype)
             for i, d in T.Parallel(C, K):
-                DGk[ic, ih, i, d] = beta_s[i] * dkb_f[i, d]
+                DGk[ic, ih, i, d] = T.cast(beta_s[i] * dkb_f[i, d], MID)
             # ---- dbeta = <dKb, Gamma k> + <dVb, v> + <dA, B> per row ----
             for i, d in T.Parallel(C, K):
                 dkb_f[i, d] = dkb_f[i, d] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E)
@@ -295,9 +296,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
         Table: T.Tensor([NC, 2], "int32"),
         DAqk: T.Tensor([NC, Hn, C, C], dtype),
         DB: T.Tensor([NC, Hn, C, C], dtype),
-        DQg: T.Tensor([NC, Hn, C, K], f32),
-        DKd: T.Tensor([NC, Hn, C, K], f32),
-        DGk: T.Tensor([NC, Hn, C, K], f32),
+        DQg: T.Tensor([NC, Hn, C, K], MID),
+        DKd: T.Tensor([NC, Hn, C, K], MID),
+        DGk: T.Tensor([NC, Hn, C, K], MID),
         DEc: T.Tensor([NC, Hn, K], f32),
         DQ: T.Tensor([TT, Hn, K], dtype),
         DK: T.Tensor([TT, Hn, K], dtype),
@@ -390,9 +391,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                     dxk = rowf * rk_f[r, d]
                     dkq = colf * cq_f[r, d]
                     dkk = colf * ck_f[r, d]
-                    dgk = Gi * DGk[ic, ih, i, k0 + d]
-                    dkd = DKd[ic, ih, i, k0 + d]
-                    dqs = Gi * DQg[ic, ih, i, k0 + d] + dxq
+                    dgk = Gi * T.cast(DGk[ic, ih, i, k0 + d], f32)
+                    dkd = T.cast(DKd[ic, ih, i, k0 + d], f32)
+                    dqs = Gi * T.cast(DQg[ic, ih, i, k0 + d], f32) + dxq
                     pkd = kv * dec * dkd
                     pk_f[r, d] += pkd
                     dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - pkd
@@ -422,8 +423,8 @@ def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     """Compile kernel "dv" (T, chunks, H dynamic).
 
     Returns kernel(W[NC,H,C,K], U[NC,H,C,V], Kd[NC,H,C,K], Aqk[NC,H,C,C], Hs[NC,H,K,V],
-    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] f32,
-    dKd[NC,H,C,K] f32, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
+    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    dKd[NC,H,C,K] bf16, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
     Tensors without a dtype are in ``dtype``. block_k, block_v, num_stages: unused (whole K, V).
     """
     if accum_dtype != "float32":
@@ -439,7 +440,7 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
-    dB[NC,H,C,C], dGk[NC,H,C,K] f32); dv, dbeta (valid rows), dB and dGk are written.
+    dB[NC,H,C,C], dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
@@ -454,9 +455,9 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
 
     ``scale`` is static (part of the cache key, as in the forward). Returns kernel(q[TT,H,K],
-    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] f32,
-    dKd[NC,H,C,K] f32, dGk[NC,H,C,K] f32, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
-    dq, dk, dg are written on valid rows.
+    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
+    dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     """
     block_k = min(block_k, K)
     if chunk_size % SUB or accum_dtype != "float32" or K % block_k:
