@@ -90,17 +90,20 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
         _check("dht", dht, (N, H, K, V), (torch.float32,))
     dev, dtype, C = q.device, q.dtype, chunk_size
     alloc = torch.zeros if cu_seqlens is not None else torch.empty  # zero the tail past the last sequence
-    dq = alloc(B, T, H, K, device=dev, dtype=dtype)
-    dk = alloc(B, T, H, K, device=dev, dtype=dtype)
-    dv = alloc(B, T, H, V, device=dev, dtype=dtype)
-    dg = alloc(B, T, H, K, device=dev, dtype=torch.float32)
-    dbeta = alloc(B, T, H, device=dev, dtype=torch.float32)
+
+    def grad_buffers(*shapes_dtypes):  # allocated only where first written, to keep the peak down
+        return [alloc(*shape, device=dev, dtype=dt_) for shape, dt_ in shapes_dtypes]
+
+    qk_grad = ((B, T, H, K), dtype)
+    g_grad = ((B, T, H, K), torch.float32)
+    v_grad, beta_grad = ((B, T, H, V), dtype), ((B, T, H), torch.float32)
     zeros_state = None
     if initial_state is None or dht is None:
         zeros_state = torch.zeros(N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else zeros_state
     dht_ = dht if dht is not None else zeros_state
     if T == 0 or N == 0:
+        dq, dk, dv, dg, dbeta = grad_buffers(qk_grad, qk_grad, v_grad, g_grad, beta_grad)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), dht_.clone()
 
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
@@ -131,6 +134,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     del Hs, dHs, Kd, Aqk
 
     # ---- stage 4: "ut" ----
+    dv, dbeta = grad_buffers(v_grad, beta_grad)
     dB = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
     dGk = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
@@ -138,6 +142,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     del W, U, dW, dU
 
     # ---- stage 5: "dk" ----
+    dq, dk, dg = grad_buffers(qk_grad, qk_grad, g_grad)
     build_bwd_dk_kernel(None, K, C, dt, scale=float(scale))(
         qf, kf, gf, tables.chunk_table, dAqk, dB, dQg, dKd, dGk, dEc,
         dq.view(B * T, H, K), dk.view(B * T, H, K), dg.view(B * T, H, K))
