@@ -160,6 +160,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             eos = Table[ic, 1]
             gam_s = T.alloc_shared([C, K], f32)
             k_s = T.alloc_shared([C, K], dtype)
+            gk_s = T.alloc_shared([C, K], dtype)
             beta_s = T.alloc_shared([C], f32)
             kp_s = T.alloc_shared([BS, K], op)
             km_s = T.alloc_shared([C, K], op)
@@ -188,13 +189,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
-                for i in T.serial(C - 1):
-                    gam_s[i + 1, d] += gam_s[i, d]
-            T.copy(W[ic, ih, :, :], w_s)
-            T.copy(U[ic, ih, :, :], u_s)
-            T.copy(DW[ic, ih, :, :], dw_s)
-            T.copy(DU[ic, ih, :, :], du_s)
+            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in a register
+                acc0 = T.alloc_local([1], f32)
+                acc0[0] = T.float32(0)
+                for i in T.serial(C):
+                    acc0[0] += gam_s[i, d]
+                    gam_s[i, d] = acc0[0]
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in SUBS:
@@ -211,6 +211,9 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(BS, C):
                     B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
+            # Gamma * k for dbeta, in the input dtype: gamma and k are not needed after this
+            for i, d in T.Parallel(C, K):
+                gk_s[i, d] = T.cast(T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E), dtype)
 
             # ---- X = (I + Diag(beta) B)^-1, blocked: 16 x 16 diagonal blocks by substitution in
             # registers (one thread per column), then block rows X[I, :I] = X_II (-L[I, :I] X[:I, :I])
@@ -239,12 +242,17 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                     X_s[BS * I + r, c] = acc2
             T.copy(X_s, Xc_s)
 
-            # ---- dKb = X^T dW, dVb = X^T dU ----
+            # ---- dKb = X^T dW, dVb = X^T dU (operands loaded only now: short live ranges let the
+            # shared-memory planner overlap them with the phases above) ----
+            T.copy(DW[ic, ih, :, :], dw_s)
+            T.copy(DU[ic, ih, :, :], du_s)
             T.gemm(Xc_s, dw_s, dkb_f, transpose_A=True, clear_accum=True)
             T.gemm(Xc_s, du_s, dvb_f, transpose_A=True, clear_accum=True)
             T.copy(dkb_f, dkb_s)
             T.copy(dvb_f, dvb_s)
             # ---- dA = -StrictTril(dKb W^T + dVb U^T) ----
+            T.copy(W[ic, ih, :, :], w_s)
+            T.copy(U[ic, ih, :, :], u_s)
             T.gemm(dkb_s, w_s, da_f, transpose_B=True, clear_accum=True)
             T.gemm(dvb_s, u_s, da_f, transpose_B=True)
             for i, j in T.Parallel(C, C):
@@ -258,7 +266,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 DGk[ic, ih, i, d] = T.cast(beta_s[i] * dkb_f[i, d], MID)
             # ---- dbeta = <dKb, Gamma k> + <dVb, v> + <dA, B> per row ----
             for i, d in T.Parallel(C, K):
-                dkb_f[i, d] = dkb_f[i, d] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E)
+                dkb_f[i, d] = dkb_f[i, d] * T.cast(gk_s[i, d], f32)
             T.reduce_sum(dkb_f, r1_f, dim=1)
             for i, j in T.Parallel(C, V):
                 dvb_f[i, j] = dvb_f[i, j] * T.if_then_else(
