@@ -83,26 +83,19 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
             ck_f = T.alloc_fragment([C, K], f32)
             cc_f = T.alloc_fragment([C, C], f32)
 
+            # Operands are loaded just before their first use and the products ordered so that
+            # few tiles are live at once (~96 KB of shared memory: two blocks per SM).
+            # V' = U - W S
             T.copy(Hs[ic, ih, :, :], S_s)
-            T.copy(DHs[ic, ih, :, :], dS_s)
             T.copy(W[ic, ih, :, :], w_s)
             T.copy(U[ic, ih, :, :], u_s)
-            T.copy(Kd[ic, ih, :, :], kd_s)
-            T.copy(Aqk[ic, ih, :, :], aqk_s)
-            for i, j in T.Parallel(C, V):
-                do_s[i, j] = T.if_then_else(bos + i < eos, DO[bos + i, ih, j], T.cast(0, dtype))
-
-            # V' = U - W S
             T.gemm(w_s, S_s, cv_f, clear_accum=True)
             for i, j in T.Parallel(C, V):
                 cv_f[i, j] = T.cast(u_s[i, j], f32) - cv_f[i, j]
             T.copy(cv_f, vn_s)
-            # dV' = Aqk^T dO + Kd dS'  (= dU)
-            T.gemm(aqk_s, do_s, cv_f, transpose_A=True, clear_accum=True)
-            T.gemm(kd_s, dS_s, cv_f)
-            T.copy(cv_f, dvn_s)
-            T.copy(cv_f, DU[ic, ih, :, :])
             # dAqk = Tril(dO V'^T)
+            for i, j in T.Parallel(C, V):
+                do_s[i, j] = T.if_then_else(bos + i < eos, DO[bos + i, ih, j], T.cast(0, dtype))
             T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 cc_f[i, j] = T.if_then_else(j <= i, cc_f[i, j], T.float32(0))
@@ -111,13 +104,9 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
             T.gemm(do_s, S_s, ck_f, transpose_B=True, clear_accum=True)
             T.copy(ck_f, DQg[ic, ih, :, :])
             # dKd = V' dS'^T
+            T.copy(DHs[ic, ih, :, :], dS_s)
             T.gemm(vn_s, dS_s, ck_f, transpose_B=True, clear_accum=True)
             T.copy(ck_f, DKd[ic, ih, :, :])
-            # dW = -dV' S^T
-            T.gemm(dvn_s, S_s, ck_f, transpose_B=True, clear_accum=True)
-            for i, d in T.Parallel(C, K):
-                ck_f[i, d] = -ck_f[i, d]
-            T.copy(ck_f, DW[ic, ih, :, :])
             # deC = rowsum(S * dS')
             for d in T.Parallel(K):  # one thread per row, accumulated in a register
                 acc = T.alloc_local([1], f32)
@@ -125,6 +114,18 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
                 for j in T.serial(V):
                     acc[0] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
                 DEc[ic, ih, d] = acc[0]
+            # dV' = Kd dS' + Aqk^T dO  (= dU)
+            T.copy(Kd[ic, ih, :, :], kd_s)
+            T.gemm(kd_s, dS_s, cv_f, clear_accum=True)
+            T.copy(Aqk[ic, ih, :, :], aqk_s)
+            T.gemm(aqk_s, do_s, cv_f, transpose_A=True)
+            T.copy(cv_f, dvn_s)
+            T.copy(cv_f, DU[ic, ih, :, :])
+            # dW = -dV' S^T
+            T.gemm(dvn_s, S_s, ck_f, transpose_B=True, clear_accum=True)
+            for i, d in T.Parallel(C, K):
+                ck_f[i, d] = -ck_f[i, d]
+            T.copy(ck_f, DW[ic, ih, :, :])
 
     return kda_bwd_dv
 
