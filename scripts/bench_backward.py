@@ -2,6 +2,7 @@
 
 Usage (on a Hopper GPU):
     python scripts/bench_backward.py --out bench_backward.json [--shapes S1 S2 S3] [--repeats 10]
+        [--profile] [--no-fla]
 
 For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0, 1);
 do ~ N(0, 1). Measured (median over --repeats of CUDA-event timings, after warm-up):
@@ -17,11 +18,17 @@ do ~ N(0, 1). Measured (median over --repeats of CUDA-event timings, after warm-
   fla     the same for fla.ops.kda.chunk_kda(..., safe_gate=True, lower_bound=-5) under autograd
           (held_MiB: allocated after the forward minus before, o and saved tensors included)
 
+fla's Triton autotuning (and its TileLang kernel's compile) run once, in an untimed warm-up step per
+shape, before anything of fla is timed (reported as fla.warmup_s). With --profile, a torch.profiler
+table of CUDA time per kernel (averaged over 3 calls) is printed for kda_cp's backward, its state
+gradient and fla's forward+backward, and stored in the JSON under "profile".
+
 Also the relative RMS difference of kda_cp's gradients vs fla's (a cross-check, not a test).
 Prints a markdown table and writes JSON to --out.
 """
 import argparse
 import json
+import time
 
 import torch
 from _bench import SHAPES, make_inputs, time_ms
@@ -40,12 +47,39 @@ def peak_above_base(fn):
     return peak / MiB
 
 
+def kernel_table(fn, calls=3):
+    """{kernel name: CUDA ms per call} from torch.profiler over ``calls`` calls of fn (after one warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = ev.cuda_time_total
+        if t > 0:
+            out[ev.key] = out.get(ev.key, 0.0) + t / 1e3 / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def print_table(title, table, top=14):
+    total = sum(table.values())
+    print(f"\n{title}: {total:.3f} ms of kernel time per call")
+    for name, ms in list(table.items())[:top]:
+        print(f"  {ms:8.3f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name[:90]}")
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
 
 
-def bench_shape(s, repeats, fla_chunk_kda):
+def bench_shape(s, repeats, fla_chunk_kda, profile=False):
     from kda_cp.kernels import chunk_kda_fwd
     from kda_cp.kernels.backward import chunk_kda_bwd, chunk_kda_state_grad
 
@@ -69,6 +103,12 @@ def bench_shape(s, repeats, fla_chunk_kda):
         held_MiB=v.numel() * v.element_size() / MiB,  # o; the forward saves only its inputs
         peak_MiB=peak_above_base(step))
     print("kda_cp", json.dumps(row["kda_cp"]), flush=True)
+    if profile:
+        row["profile"] = {"kda_cp_bwd": kernel_table(bwd),
+                          "kda_cp_state_grad": kernel_table(
+                              lambda: chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do))}
+        print_table("kda_cp backward", row["profile"]["kda_cp_bwd"])
+        print_table("kda_cp state gradient", row["profile"]["kda_cp_state_grad"])
     ours = bwd()
     if fla_chunk_kda is not None:
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
@@ -83,6 +123,11 @@ def bench_shape(s, repeats, fla_chunk_kda):
             o.backward(do)
             return o
 
+        t0 = time.time()  # untimed warm-up: Triton autotune and compiles, once per shape
+        fla_step()
+        torch.cuda.synchronize()
+        warmup_s = time.time() - t0
+        print(f"fla warm-up {warmup_s:.1f} s", flush=True)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         o = fla_fwd()
@@ -92,8 +137,14 @@ def bench_shape(s, repeats, fla_chunk_kda):
         with torch.no_grad():
             f_ms = time_ms(lambda: fla_chunk_kda(q, k, v, g, beta, scale=scale, safe_gate=True,
                                                  lower_bound=-5.0), repeats)
-        row["fla"] = dict(fwd_ms=f_ms, fwd_bwd_ms=time_ms(fla_step, repeats), held_MiB=held,
-                          peak_MiB=peak_above_base(fla_step))
+        fb_ms = time_ms(fla_step, repeats)
+        for x in leaves:  # free the last step's .grad first, so the peak counts fla's gradients as ours counts its outputs
+            x.grad = None
+        row["fla"] = dict(fwd_ms=f_ms, fwd_bwd_ms=fb_ms, held_MiB=held, peak_MiB=peak_above_base(fla_step),
+                          warmup_s=warmup_s)
+        if profile:
+            row["profile"]["fla_fwd_bwd"] = kernel_table(fla_step)
+            print_table("fla forward+backward", row["profile"]["fla_fwd_bwd"])
         fla_step()
         row["rel_rms_vs_fla"] = {n: rel(a, x.grad) for n, a, x in zip(("dq", "dk", "dv", "dg", "dbeta"),
                                                                        ours[:5], leaves)}
@@ -106,6 +157,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-fla", action="store_true", help="skip the fla-core peer")
+    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA time (torch.profiler)")
     args = ap.parse_args()
     fla_chunk_kda = None
     if not args.no_fla:
@@ -117,7 +169,7 @@ def main():
     results = {"device": dev, "torch": torch.__version__, "shapes": {}}
     for name in args.shapes:
         try:
-            row = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda)
+            row = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda, args.profile)
         except Exception as e:  # e.g. out of memory: report and go on
             row = dict(SHAPES[name], error=f"{type(e).__name__}: {str(e)[:300]}")
         results["shapes"][name] = row
@@ -125,9 +177,9 @@ def main():
         torch.cuda.empty_cache()
 
     print(f"\nForward+backward, bf16, gates bounded at -5, {dev}, median of {args.repeats}\n")
-    print("| shape | kda_cp fwd+bwd ms | fla fwd+bwd ms | fla / kda_cp | kda_cp bwd ms | state_grad ms "
-          "| kda_cp peak MiB | fla peak MiB | fla held MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | kda_cp fwd+bwd ms | fla fwd+bwd ms | fla / kda_cp | kda_cp fwd ms | fla fwd ms "
+          "| kda_cp bwd ms | state_grad ms | kda_cp peak MiB | fla peak MiB | fla held MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results["shapes"].items():
         if "error" in r:
             print(f"| {name} | error: {r['error'][:80]} |")
@@ -135,7 +187,8 @@ def main():
         a, f = r["kda_cp"], r.get("fla")
         fl = lambda key, fmt="{:.3f}": fmt.format(f[key]) if f else "-"  # noqa: E731
         ratio = f"{f['fwd_bwd_ms'] / a['fwd_bwd_ms']:.2f}x" if f else "-"
-        print(f"| {name} | {a['fwd_bwd_ms']:.3f} | {fl('fwd_bwd_ms')} | {ratio} | {a['bwd_ms']:.3f} | "
+        print(f"| {name} | {a['fwd_bwd_ms']:.3f} | {fl('fwd_bwd_ms')} | {ratio} | {a['fwd_ms']:.3f} | "
+              f"{fl('fwd_ms')} | {a['bwd_ms']:.3f} | "
               f"{a['state_grad_ms']:.3f} | {a['peak_MiB']:.0f} | {fl('peak_MiB', '{:.0f}')} | "
               f"{fl('held_MiB', '{:.0f}')} |")
     with open(args.out, "w") as fh:

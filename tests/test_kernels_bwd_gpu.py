@@ -165,7 +165,8 @@ def test_stages_match_mirror():
         W, U, Qg, Kd, Aqk, Ec, do.view(T, H, V), tables.seq_table, h0, dht, Hs, dHs, dh0)
     f32 = dict(device="cuda", dtype=torch.float32)
     dAqk = torch.empty(NC, H, C, C, device="cuda", dtype=q.dtype)
-    dQg, dKd = torch.empty(NC, H, C, K, **f32), torch.empty(NC, H, C, K, **f32)
+    mid = dict(device="cuda", dtype=torch.bfloat16)  # dQg, dKd, dGk are stored in bf16
+    dQg, dKd = torch.empty(NC, H, C, K, **mid), torch.empty(NC, H, C, K, **mid)
     dEc = torch.empty(NC, H, K, **f32)
     dW = torch.empty(NC, H, C, K, device="cuda", dtype=q.dtype)
     dU = torch.empty(NC, H, C, V, device="cuda", dtype=q.dtype)
@@ -174,7 +175,7 @@ def test_stages_match_mirror():
     dv = torch.zeros(T, H, V, device="cuda", dtype=q.dtype)
     dbeta = torch.zeros(T, H, **f32)
     dB = torch.empty(NC, H, C, C, device="cuda", dtype=q.dtype)
-    dGk = torch.empty(NC, H, C, K, **f32)
+    dGk = torch.empty(NC, H, C, K, **mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU, dv, dbeta, dB, dGk)
     dq = torch.zeros(T, H, K, device="cuda", dtype=q.dtype)
     dk = torch.zeros_like(dq)

@@ -19,8 +19,9 @@ What the forward keeps for the backward: only its inputs (q, k, v, g, beta, h0),
 autograd already saves; everything else is recomputed here. So the memory held between forward and
 backward is the inputs alone, no more than flash-linear-attention's (which keeps at least as much).
 Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk, dAqk,
-dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K fp32) and per chunk Hs, dHs (2 x K x V in the
-input dtype); they are freed as soon as the next stage no longer needs them.
+dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16: accumulated in fp32, rounded once; the fp64
+mirror with these three rounded moves dq, dk, dg by < 2e-4 relative) and per chunk Hs, dHs (2 x K x V
+in the input dtype); they are freed as soon as the next stage no longer needs them.
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
 G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3).
@@ -89,17 +90,20 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
         _check("dht", dht, (N, H, K, V), (torch.float32,))
     dev, dtype, C = q.device, q.dtype, chunk_size
     alloc = torch.zeros if cu_seqlens is not None else torch.empty  # zero the tail past the last sequence
-    dq = alloc(B, T, H, K, device=dev, dtype=dtype)
-    dk = alloc(B, T, H, K, device=dev, dtype=dtype)
-    dv = alloc(B, T, H, V, device=dev, dtype=dtype)
-    dg = alloc(B, T, H, K, device=dev, dtype=torch.float32)
-    dbeta = alloc(B, T, H, device=dev, dtype=torch.float32)
+
+    def grad_buffers(*shapes_dtypes):  # allocated only where first written, to keep the peak down
+        return [alloc(*shape, device=dev, dtype=dt_) for shape, dt_ in shapes_dtypes]
+
+    qk_grad = ((B, T, H, K), dtype)
+    g_grad = ((B, T, H, K), torch.float32)
+    v_grad, beta_grad = ((B, T, H, V), dtype), ((B, T, H), torch.float32)
     zeros_state = None
     if initial_state is None or dht is None:
         zeros_state = torch.zeros(N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else zeros_state
     dht_ = dht if dht is not None else zeros_state
     if T == 0 or N == 0:
+        dq, dk, dv, dg, dbeta = grad_buffers(qk_grad, qk_grad, v_grad, g_grad, beta_grad)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), dht_.clone()
 
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
@@ -119,8 +123,9 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     # ---- stage 3: "dv" ----
     dAqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
-    dQg = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
-    dKd = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    mid = torch.bfloat16  # fp32-accumulated intermediates stored in bf16 (range of fp32, even for fp16 input)
+    dQg = torch.empty(NC, H, C, K, device=dev, dtype=mid)
+    dKd = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     dEc = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     dW = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
     dU = torch.empty(NC, H, C, V, device=dev, dtype=dtype)
@@ -129,13 +134,15 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     del Hs, dHs, Kd, Aqk
 
     # ---- stage 4: "ut" ----
+    dv, dbeta = grad_buffers(v_grad, beta_grad)
     dB = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
-    dGk = torch.empty(NC, H, C, K, device=dev, dtype=torch.float32)
+    dGk = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
                                            dv.view(B * T, H, V), dbeta.view(B * T, H), dB, dGk)
     del W, U, dW, dU
 
     # ---- stage 5: "dk" ----
+    dq, dk, dg = grad_buffers(qk_grad, qk_grad, g_grad)
     build_bwd_dk_kernel(None, K, C, dt, scale=float(scale))(
         qf, kf, gf, tables.chunk_table, dAqk, dB, dQg, dKd, dGk, dEc,
         dq.view(B * T, H, K), dk.view(B * T, H, K), dg.view(B * T, H, K))

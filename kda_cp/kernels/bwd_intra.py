@@ -1,6 +1,8 @@
 """Backward chunk-local stage: dq, dk, dv, dg, dbeta from the chunk-start states and their gradients.
 
-Three chunk-parallel kernels, one thread block per (chunk, head); the math and the order are those
+Three chunk-parallel kernels, one thread block per (chunk, head) ("dk": per (chunk, head, 64 key
+channels), since it is independent per channel), each sized to fit two blocks per SM (<= ~101 KiB
+of shared memory, <= 255 registers); the math and the order are those
 of :mod:`kda_cp.kernels.bwd_mirror` (its docstring is the full derivation). Per chunk, with
 q~ = scale * q, gamma = chunk-local cumsum of g, Gamma = exp(gamma), S = state entering the chunk
 and dS' = gradient of the state leaving it (both from bwd_state.py):
@@ -33,7 +35,9 @@ dgamma, in which the row-side and column-side terms of every pair (i, j) cancel 
 that straddle the position; with bf16 factors the uncancelled rounding alone gave dg a relative
 RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror with bf16-rounded
 factors), against ~2e-3 with fp32-accurate factors. Rows past a sequence end are read as zero and
-never written.
+never written. Between kernels dQg, dKd, dGk are stored in bf16 (fp32 range, also for fp16 input),
+and "ut" keeps Gamma * k for dbeta in the input dtype: the fp64 mirror with these roundings moves
+dq, dk, dg by <= 4e-4 and dbeta by <= 2e-5 relative.
 """
 import functools
 
@@ -42,6 +46,7 @@ import tilelang.language as T
 from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
 
 LOG2E = 1.4426950408889634
+MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dQg, dKd, dGk between kernels
 
 
 def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
@@ -60,8 +65,8 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
         DO: T.Tensor([TT, Hn, V], dtype),
         Table: T.Tensor([NC, 2], "int32"),
         DAqk: T.Tensor([NC, Hn, C, C], dtype),
-        DQg: T.Tensor([NC, Hn, C, K], f32),
-        DKd: T.Tensor([NC, Hn, C, K], f32),
+        DQg: T.Tensor([NC, Hn, C, K], MID),
+        DKd: T.Tensor([NC, Hn, C, K], MID),
         DEc: T.Tensor([NC, Hn, K], f32),
         DW: T.Tensor([NC, Hn, C, K], dtype),
         DU: T.Tensor([NC, Hn, C, V], dtype),
@@ -78,31 +83,23 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
             aqk_s = T.alloc_shared([C, C], dtype)
             vn_s = T.alloc_shared([C, V], dtype)
             dvn_s = T.alloc_shared([C, V], dtype)
-            dec_s = T.alloc_shared([K], f32)
             cv_f = T.alloc_fragment([C, V], f32)
             ck_f = T.alloc_fragment([C, K], f32)
             cc_f = T.alloc_fragment([C, C], f32)
 
+            # Operands are loaded just before their first use and the products ordered so that
+            # few tiles are live at once (~96 KB of shared memory: two blocks per SM).
+            # V' = U - W S
             T.copy(Hs[ic, ih, :, :], S_s)
-            T.copy(DHs[ic, ih, :, :], dS_s)
             T.copy(W[ic, ih, :, :], w_s)
             T.copy(U[ic, ih, :, :], u_s)
-            T.copy(Kd[ic, ih, :, :], kd_s)
-            T.copy(Aqk[ic, ih, :, :], aqk_s)
-            for i, j in T.Parallel(C, V):
-                do_s[i, j] = T.if_then_else(bos + i < eos, DO[bos + i, ih, j], T.cast(0, dtype))
-
-            # V' = U - W S
             T.gemm(w_s, S_s, cv_f, clear_accum=True)
             for i, j in T.Parallel(C, V):
                 cv_f[i, j] = T.cast(u_s[i, j], f32) - cv_f[i, j]
             T.copy(cv_f, vn_s)
-            # dV' = Aqk^T dO + Kd dS'  (= dU)
-            T.gemm(aqk_s, do_s, cv_f, transpose_A=True, clear_accum=True)
-            T.gemm(kd_s, dS_s, cv_f)
-            T.copy(cv_f, dvn_s)
-            T.copy(cv_f, DU[ic, ih, :, :])
             # dAqk = Tril(dO V'^T)
+            for i, j in T.Parallel(C, V):
+                do_s[i, j] = T.if_then_else(bos + i < eos, DO[bos + i, ih, j], T.cast(0, dtype))
             T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 cc_f[i, j] = T.if_then_else(j <= i, cc_f[i, j], T.float32(0))
@@ -111,26 +108,37 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
             T.gemm(do_s, S_s, ck_f, transpose_B=True, clear_accum=True)
             T.copy(ck_f, DQg[ic, ih, :, :])
             # dKd = V' dS'^T
+            T.copy(DHs[ic, ih, :, :], dS_s)
             T.gemm(vn_s, dS_s, ck_f, transpose_B=True, clear_accum=True)
             T.copy(ck_f, DKd[ic, ih, :, :])
+            # deC = rowsum(S * dS')
+            for d in T.Parallel(K):  # one thread per row, accumulated in a register
+                acc = T.alloc_local([1], f32)
+                acc[0] = T.float32(0)
+                for j in T.serial(V):
+                    acc[0] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
+                DEc[ic, ih, d] = acc[0]
+            # dV' = Kd dS' + Aqk^T dO  (= dU)
+            T.copy(Kd[ic, ih, :, :], kd_s)
+            T.gemm(kd_s, dS_s, cv_f, clear_accum=True)
+            T.copy(Aqk[ic, ih, :, :], aqk_s)
+            T.gemm(aqk_s, do_s, cv_f, transpose_A=True)
+            T.copy(cv_f, dvn_s)
+            T.copy(cv_f, DU[ic, ih, :, :])
             # dW = -dV' S^T
             T.gemm(dvn_s, S_s, ck_f, transpose_B=True, clear_accum=True)
             for i, d in T.Parallel(C, K):
                 ck_f[i, d] = -ck_f[i, d]
             T.copy(ck_f, DW[ic, ih, :, :])
-            # deC = rowsum(S * dS')
-            for d in T.Parallel(K):
-                dec_s[d] = T.float32(0)
-                for j in T.serial(V):
-                    dec_s[d] += T.cast(S_s[d, j], f32) * T.cast(dS_s[d, j], f32)
-            T.copy(dec_s, DEc[ic, ih, :])
 
     return kda_bwd_dv
 
 
 def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     BS = SUB
-    SUBS = tuple(range(C // BS))
+    NSUB = C // BS
+    SUBS = tuple(range(NSUB))
+    R16 = tuple(range(BS))
     op = "bfloat16"  # decayed-product operands: factors up to exp(75) do not fit fp16
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -150,19 +158,22 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
         DV: T.Tensor([TT, Hn, V], dtype),
         DBeta: T.Tensor([TT, Hn], f32),
         DB: T.Tensor([NC, Hn, C, C], dtype),
-        DGk: T.Tensor([NC, Hn, C, K], f32),
+        DGk: T.Tensor([NC, Hn, C, K], MID),
     ):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             gam_s = T.alloc_shared([C, K], f32)
             k_s = T.alloc_shared([C, K], dtype)
+            gk_s = T.alloc_shared([C, K], dtype)
             beta_s = T.alloc_shared([C], f32)
             kp_s = T.alloc_shared([BS, K], op)
             km_s = T.alloc_shared([C, K], op)
             B_s = T.alloc_shared([C, C], f32)
             X_s = T.alloc_shared([C, C], f32)
             Xc_s = T.alloc_shared([C, C], dtype)
+            Td_s = T.alloc_shared([NSUB, BS, BS], f32)
+            tmp_s = T.alloc_shared([BS, C], f32)
             dw_s = T.alloc_shared([C, K], dtype)
             du_s = T.alloc_shared([C, V], dtype)
             w_s = T.alloc_shared([C, K], dtype)
@@ -183,13 +194,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
-                for i in T.serial(C - 1):
-                    gam_s[i + 1, d] += gam_s[i, d]
-            T.copy(W[ic, ih, :, :], w_s)
-            T.copy(U[ic, ih, :, :], u_s)
-            T.copy(DW[ic, ih, :, :], dw_s)
-            T.copy(DU[ic, ih, :, :], du_s)
+            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in a register
+                acc0 = T.alloc_local([1], f32)
+                acc0[0] = T.float32(0)
+                for i in T.serial(C):
+                    acc0[0] += gam_s[i, d]
+                    gam_s[i, d] = acc0[0]
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in SUBS:
@@ -206,21 +216,48 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(BS, C):
                     B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
+            # Gamma * k for dbeta, in the input dtype: gamma and k are not needed after this
+            for i, d in T.Parallel(C, K):
+                gk_s[i, d] = T.cast(T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E), dtype)
 
-            # ---- X = (I + Diag(beta) B)^-1 by forward substitution, one column per thread ----
-            for c in T.Parallel(C):
-                for r in T.serial(C):
-                    X_s[r, c] = T.if_then_else(r == c, T.float32(1), T.float32(0))
-                    for j in T.serial(r):
-                        X_s[r, c] -= beta_s[r] * B_s[r, j] * X_s[j, c]
+            # ---- X = (I + Diag(beta) B)^-1, blocked: 16 x 16 diagonal blocks by substitution in
+            # registers (one thread per column), then block rows X[I, :I] = X_II (-L[I, :I] X[:I, :I])
+            for i, j in T.Parallel(C, C):
+                X_s[i, j] = T.float32(0)
+            for I, c in T.Parallel(NSUB, BS):
+                x = T.alloc_local([BS], f32)
+                for r in R16:
+                    acc = T.float32(0)
+                    for j in R16[:r]:
+                        acc = acc + B_s[BS * I + r, BS * I + j] * x[j]
+                    x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0)) - beta_s[BS * I + r] * acc
+                for r in R16:
+                    X_s[BS * I + r, BS * I + c] = x[r]
+                    Td_s[I, r, c] = x[r]
+            for I in tuple(range(1, NSUB)):
+                for r, c in T.Parallel(BS, BS * I):
+                    acc = T.alloc_var(f32, init=0)
+                    for j in tuple(range(BS * I)):
+                        acc = acc - B_s[BS * I + r, j] * X_s[j, c]
+                    tmp_s[r, c] = acc * beta_s[BS * I + r]
+                for r, c in T.Parallel(BS, BS * I):
+                    acc2 = T.alloc_var(f32, init=0)
+                    for j in R16:
+                        acc2 = acc2 + Td_s[I, r, j] * tmp_s[j, c]
+                    X_s[BS * I + r, c] = acc2
             T.copy(X_s, Xc_s)
 
-            # ---- dKb = X^T dW, dVb = X^T dU ----
+            # ---- dKb = X^T dW, dVb = X^T dU (operands loaded only now: short live ranges let the
+            # shared-memory planner overlap them with the phases above) ----
+            T.copy(DW[ic, ih, :, :], dw_s)
+            T.copy(DU[ic, ih, :, :], du_s)
             T.gemm(Xc_s, dw_s, dkb_f, transpose_A=True, clear_accum=True)
             T.gemm(Xc_s, du_s, dvb_f, transpose_A=True, clear_accum=True)
             T.copy(dkb_f, dkb_s)
             T.copy(dvb_f, dvb_s)
             # ---- dA = -StrictTril(dKb W^T + dVb U^T) ----
+            T.copy(W[ic, ih, :, :], w_s)
+            T.copy(U[ic, ih, :, :], u_s)
             T.gemm(dkb_s, w_s, da_f, transpose_B=True, clear_accum=True)
             T.gemm(dvb_s, u_s, da_f, transpose_B=True)
             for i, j in T.Parallel(C, C):
@@ -231,10 +268,10 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 if bos + i < eos:
                     DV[bos + i, ih, j] = T.cast(beta_s[i] * dvb_f[i, j], dtype)
             for i, d in T.Parallel(C, K):
-                DGk[ic, ih, i, d] = beta_s[i] * dkb_f[i, d]
+                DGk[ic, ih, i, d] = T.cast(beta_s[i] * dkb_f[i, d], MID)
             # ---- dbeta = <dKb, Gamma k> + <dVb, v> + <dA, B> per row ----
             for i, d in T.Parallel(C, K):
-                dkb_f[i, d] = dkb_f[i, d] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E)
+                dkb_f[i, d] = dkb_f[i, d] * T.cast(gk_s[i, d], f32)
             T.reduce_sum(dkb_f, r1_f, dim=1)
             for i, j in T.Parallel(C, V):
                 dvb_f[i, j] = dvb_f[i, j] * T.if_then_else(
@@ -254,9 +291,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_ut
 
 
-def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
+def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BS = SUB
     SUBS = tuple(range(C // BS))
+    BK = block_k  # key channels per block: every step below is independent per channel
+    GP = BK + 1  # padded row pitch (fp32): column reads gam_s[j, d] over j are bank-conflict free
+    XP = BK + 2  # padded row pitch (16-bit), likewise
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -269,21 +309,22 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
         Table: T.Tensor([NC, 2], "int32"),
         DAqk: T.Tensor([NC, Hn, C, C], dtype),
         DB: T.Tensor([NC, Hn, C, C], dtype),
-        DQg: T.Tensor([NC, Hn, C, K], f32),
-        DKd: T.Tensor([NC, Hn, C, K], f32),
-        DGk: T.Tensor([NC, Hn, C, K], f32),
+        DQg: T.Tensor([NC, Hn, C, K], MID),
+        DKd: T.Tensor([NC, Hn, C, K], MID),
+        DGk: T.Tensor([NC, Hn, C, K], MID),
         DEc: T.Tensor([NC, Hn, K], f32),
         DQ: T.Tensor([TT, Hn, K], dtype),
         DK: T.Tensor([TT, Hn, K], dtype),
         DG: T.Tensor([TT, Hn, K], f32),
     ):
-        with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+        with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
             bos = Table[ic, 0]
             eos = Table[ic, 1]
-            gam_s = T.alloc_shared([C, K], f32)
-            dgam_s = T.alloc_shared([C, K], f32)
-            k_s = T.alloc_shared([C, K], dtype)
-            q_s = T.alloc_shared([C, K], dtype)
+            k0 = ik * BK
+            gam_s = T.alloc_shared([C, GP], f32)
+            dgam_s = T.alloc_shared([C, BK], f32)
+            k_s = T.alloc_shared([C, XP], dtype)
+            q_s = T.alloc_shared([C, XP], dtype)
             # dM slices of sub-chunk I, fp32 (bf16/fp16 values are exact in TF32): rows of dAqk and
             # dB, and their columns (transposed)
             aq_s = T.alloc_shared([BS, C], f32)
@@ -291,30 +332,37 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
             aqT_s = T.alloc_shared([BS, C], f32)
             abT_s = T.alloc_shared([BS, C], f32)
             # factor operand, transposed (K-major for TF32), split into TF32 head and tail
-            fh_s = T.alloc_shared([K, C], f32)
-            fl_s = T.alloc_shared([K, C], f32)
-            last_s = T.alloc_shared([K], f32)
-            rq_f = T.alloc_fragment([BS, K], f32)
-            rk_f = T.alloc_fragment([BS, K], f32)
-            cq_f = T.alloc_fragment([BS, K], f32)
-            ck_f = T.alloc_fragment([BS, K], f32)
+            fh_s = T.alloc_shared([BK, C], f32)
+            fl_s = T.alloc_shared([BK, C], f32)
+            rq_f = T.alloc_fragment([BS, BK], f32)
+            rk_f = T.alloc_fragment([BS, BK], f32)
+            cq_f = T.alloc_fragment([BS, BK], f32)
+            ck_f = T.alloc_fragment([BS, BK], f32)
+            pk_f = T.alloc_fragment([BS, BK], f32)  # running sum over rows of Kd * dKd
+            last_f = T.alloc_fragment([BK], f32)
+            last_s = T.alloc_shared([BK], f32)
 
-            for i, d in T.Parallel(C, K):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
-                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
-                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
-            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in place
-                for i in T.serial(C - 1):
-                    gam_s[i + 1, d] += gam_s[i, d]
+            for i, d in T.Parallel(C, BK):
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + d], T.float32(0))
+                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, k0 + d], T.cast(0, dtype))
+                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, k0 + d], T.cast(0, dtype))
+            T.clear(pk_f)
+            for d in T.Parallel(BK):  # chunk-local cumsum: one thread per channel, in a register
+                acc = T.alloc_local([1], f32)
+                acc[0] = T.float32(0)
+                for i in T.serial(C):
+                    acc[0] += gam_s[i, d]
+                    gam_s[i, d] = acc[0]
 
             for I in SUBS:
                 for r, j in T.Parallel(BS, C):
                     aq_s[r, j] = T.cast(DAqk[ic, ih, BS * I + r, j], f32)
                     ab_s[r, j] = T.cast(DB[ic, ih, BS * I + r, j], f32)
+                for j, r in T.Parallel(C, BS):  # r fastest: 32-byte runs of one row
                     aqT_s[r, j] = T.cast(DAqk[ic, ih, j, BS * I + r], f32)
                     abT_s[r, j] = T.cast(DB[ic, ih, j, BS * I + r], f32)
                 # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
-                for d, j in T.Parallel(K, C):
+                for d, j in T.Parallel(BK, C):
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
                     x = T.if_then_else(
                         j < BS * (I + 1),
@@ -327,14 +375,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                 T.gemm(ab_s, fh_s, rk_f, transpose_B=True, clear_accum=True)
                 T.gemm(ab_s, fl_s, rk_f, transpose_B=True)
                 # ---- column side: columns of sub-chunk I; factor x_i exp(gamma_i - s_I), i >= 16 I ----
-                for d, i in T.Parallel(K, C):
+                for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(q_s[i, d], f32) * (e * scale), T.float32(0))
                     fh_s[d, i] = tf32_hi(x)
                     fl_s[d, i] = x - tf32_hi(x)
                 T.gemm(aqT_s, fh_s, cq_f, transpose_B=True, clear_accum=True)
                 T.gemm(aqT_s, fl_s, cq_f, transpose_B=True)
-                for d, i in T.Parallel(K, C):
+                for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
                     fh_s[d, i] = tf32_hi(x)
@@ -342,7 +390,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                 T.gemm(abT_s, fh_s, ck_f, transpose_B=True, clear_accum=True)
                 T.gemm(abT_s, fl_s, ck_f, transpose_B=True)
                 # ---- assembly for rows i = 16 I + r ----
-                for r, d in T.Parallel(BS, K):
+                for r, d in T.Parallel(BS, BK):
                     i = BS * I + r
                     gi = gam_s[i, d]
                     ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
@@ -356,28 +404,28 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads):
                     dxk = rowf * rk_f[r, d]
                     dkq = colf * cq_f[r, d]
                     dkk = colf * ck_f[r, d]
-                    dgk = Gi * DGk[ic, ih, i, d]
-                    dkd = DKd[ic, ih, i, d]
-                    dqs = Gi * DQg[ic, ih, i, d] + dxq
-                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - kv * dec * dkd
+                    dgk = Gi * T.cast(DGk[ic, ih, i, k0 + d], f32)
+                    dkd = T.cast(DKd[ic, ih, i, k0 + d], f32)
+                    dqs = Gi * T.cast(DQg[ic, ih, i, k0 + d], f32) + dxq
+                    pkd = kv * dec * dkd
+                    pk_f[r, d] += pkd
+                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - pkd
                     if bos + i < eos:
-                        DQ[bos + i, ih, d] = T.cast(dqs * scale, dtype)
-                        DK[bos + i, ih, d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
+                        DQ[bos + i, ih, k0 + d] = T.cast(dqs * scale, dtype)
+                        DK[bos + i, ih, k0 + d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
 
-            # ---- gamma_C terms, then the reverse cumsum over the chunk ----
-            for d in T.Parallel(K):
-                last_s[d] = DEc[ic, ih, d] * T.exp2(gam_s[C - 1, d] * LOG2E)
+            # ---- gamma_C terms (sum_i Kd_i dKd_i + eC deC), then the reverse cumsum over the chunk ----
+            T.reduce_sum(pk_f, last_f, dim=0)
+            T.copy(last_f, last_s)
+            for d in T.Parallel(BK):
+                acc = T.alloc_local([1], f32)
+                acc[0] = last_s[d] + DEc[ic, ih, k0 + d] * T.exp2(gam_s[C - 1, d] * LOG2E)
                 for i in T.serial(C):
-                    last_s[d] += (T.cast(k_s[i, d], f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E)
-                                  * DKd[ic, ih, i, d])
-            for d in T.Parallel(K):
-                dgam_s[C - 1, d] += last_s[d]
-            for d in T.Parallel(K):  # reverse cumsum over the chunk, one thread per channel
-                for i in T.serial(C - 1):
-                    dgam_s[C - 2 - i, d] += dgam_s[C - 1 - i, d]
-            for i, d in T.Parallel(C, K):
+                    acc[0] += dgam_s[C - 1 - i, d]
+                    dgam_s[C - 1 - i, d] = acc[0]
+            for i, d in T.Parallel(C, BK):
                 if bos + i < eos:
-                    DG[bos + i, ih, d] = dgam_s[i, d]
+                    DG[bos + i, ih, k0 + d] = dgam_s[i, d]
 
     return kda_bwd_dk
 
@@ -388,8 +436,8 @@ def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     """Compile kernel "dv" (T, chunks, H dynamic).
 
     Returns kernel(W[NC,H,C,K], U[NC,H,C,V], Kd[NC,H,C,K], Aqk[NC,H,C,C], Hs[NC,H,K,V],
-    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] f32,
-    dKd[NC,H,C,K] f32, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
+    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    dKd[NC,H,C,K] bf16, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
     Tensors without a dtype are in ``dtype``. block_k, block_v, num_stages: unused (whole K, V).
     """
     if accum_dtype != "float32":
@@ -405,7 +453,7 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
-    dB[NC,H,C,C], dGk[NC,H,C,K] f32); dv, dbeta (valid rows), dB and dGk are written.
+    dB[NC,H,C,C], dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
@@ -415,17 +463,19 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
 
 @functools.lru_cache(maxsize=None)
-def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=None,
+def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=64,
                         block_v=None, threads=128, num_stages=1):
     """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
 
     ``scale`` is static (part of the cache key, as in the forward). Returns kernel(q[TT,H,K],
-    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] f32,
-    dKd[NC,H,C,K] f32, dGk[NC,H,C,K] f32, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
-    dq, dk, dg are written on valid rows.
+    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
+    dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     """
-    if chunk_size % SUB or accum_dtype != "float32":
-        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
-                         f"{chunk_size}, {accum_dtype}")
-    return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads),
+    block_k = min(block_k, K)
+    if chunk_size % SUB or accum_dtype != "float32" or K % block_k:
+        raise ValueError(f"chunk_size must be a multiple of {SUB}, accum_dtype float32 and K a multiple "
+                         f"of block_k, got {chunk_size}, {accum_dtype}, K={K}, block_k={block_k}")
+    return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
+                                       block_k),
                           name="kda_bwd_dk")

@@ -31,7 +31,7 @@ import tilelang.language as T
 from ._common import compile_kernel, tl_dtype
 
 
-def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, store_states):
+def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, store_states, num_stages):
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -78,7 +78,7 @@ def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, store_states):
             if store_states:
                 # ---- forward walk: chunk-start states ----
                 T.copy(H0[n, ih, :, iv * BV : (iv + 1) * BV], S_f)
-                for c in T.Pipelined(nc, num_stages=1):
+                for c in T.Pipelined(nc, num_stages=num_stages):
                     ci = c0 + c
                     T.copy(W[ci, ih, :, :], w_s)
                     T.copy(Kd[ci, ih, :, :], kd_s)
@@ -96,7 +96,7 @@ def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, store_states):
 
             # ---- reverse walk: state gradients ----
             T.copy(DHT[n, ih, :, iv * BV : (iv + 1) * BV], S_f)  # S_f now carries dS
-            for cr in T.Pipelined(nc, num_stages=1):
+            for cr in T.Pipelined(nc, num_stages=num_stages):
                 c = nc - 1 - cr
                 ci = c0 + c
                 T.copy(W[ci, ih, :, :], w_s)
@@ -137,7 +137,9 @@ def build_bwd_state_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
         dtype: q/k/v dtype name ("bfloat16" / "float16"); accum_dtype must be "float32".
         store_states: run the forward walk and store Hs, dHs (full backward); False gives the
             standalone state gradient (reverse walk only, Hs/dHs untouched, may be [1, H, K, V]).
-        block_v, threads: launch knobs; block_k, num_stages unused (common factory signature).
+        block_v, threads, num_stages (software pipelining of the per-chunk loads; 2 does not lower in
+            tilelang 0.1.15): launch knobs;
+            block_k unused (common factory signature).
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C], eC[NC,H,K] f32,
         dO[TT,H,V], Seq[N,4] i32, H0[N,H,K,V] f32, dHT[N,H,K,V] f32, Hs[NCS,H,K,V], dHs[NCS,H,K,V],
@@ -149,5 +151,5 @@ def build_bwd_state_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
         raise ValueError(f"V={V} must be a multiple of block_v={block_v}; accum_dtype float32 "
                          f"(got {accum_dtype})")
     func = _bwd_state_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
-                           bool(store_states))
+                           bool(store_states), int(num_stages))
     return compile_kernel(func, name="kda_bwd_state")
