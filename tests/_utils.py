@@ -21,8 +21,14 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) 
 
 
 def make_inputs(B, T, H, K, V, *, dtype=torch.float64, g_min=-5.0, seed=None, requires_grad=False,
-                with_h0=False, device="cpu"):
-    """q, k (L2-normalized), v, g = g_min * sigmoid(randn) per channel, beta ~ U(0, 1), optional h0."""
+                with_h0=False, device="cpu", gates="mixed"):
+    """q, k (L2-normalized), v, g, beta ~ U(0, 1), optional h0.
+
+    gates="mixed" (default): g = g_min * sigmoid(randn + b_hd) with a per-(head, channel) bias b
+    spread over [-8, 3]: some channels forget within a token, some keep the state over thousands
+    (g ~ -2e-3), as trained models do; without slow channels a shard's transition M underflows to
+    zero and a test cannot see errors in M or in the scan. gates="fast": g = g_min * sigmoid(randn).
+    """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
 
     def rnd(*s):
@@ -31,7 +37,14 @@ def make_inputs(B, T, H, K, V, *, dtype=torch.float64, g_min=-5.0, seed=None, re
     q = rnd(B, T, H, K)
     k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
     v = rnd(B, T, H, V)
-    g = g_min * torch.sigmoid(rnd(B, T, H, K))
+    z = rnd(B, T, H, K)
+    if gates == "mixed":
+        bias = torch.stack([torch.linspace(-8.0, 3.0, K, dtype=torch.float64)[torch.randperm(K, generator=gen)]
+                            for _ in range(H)])
+        z = z + bias
+    elif gates != "fast":
+        raise ValueError(f"gates must be 'mixed' or 'fast', got {gates!r}")
+    g = g_min * torch.sigmoid(z)
     beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
     h0 = rnd(B, H, K, V) if with_h0 else None
     out = [x.to(device=device, dtype=dtype) for x in (q, k, v)]

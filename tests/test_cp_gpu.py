@@ -24,7 +24,9 @@ def _inputs(B, T, H, K, n_states, seed):
     q = rnd(B, T, H, K).bfloat16().cuda()
     k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).bfloat16().cuda()
     v = rnd(B, T, H, K).bfloat16().cuda()
-    g = (-5 * torch.sigmoid(rnd(B, T, H, K))).cuda()
+    # slow and fast channels (per-channel bias over [-8, 3]): M of a shard must not underflow
+    bias = torch.stack([torch.linspace(-8.0, 3.0, K)[torch.randperm(K, generator=gen)] for _ in range(H)])
+    g = (-5 * torch.sigmoid(rnd(B, T, H, K) + bias)).cuda()
     beta = torch.rand(B, T, H, generator=gen).cuda()
     h0 = rnd(n_states, H, K, K).cuda()
     do = rnd(B, T, H, K).bfloat16().cuda()
@@ -100,12 +102,16 @@ def test_cp_shards_in_one_process_tilelang(P, T, lengths, cu):
 
 def test_strided_views_run_on_the_kernels():
     """A layer's q, k, v are views of one fused projection: chunk_kda copies them dense and runs the
-    kernels (backend="tilelang" raises if it cannot), equal to the dense call."""
+    kernels (backend="tilelang" raises if it cannot); output and gradients equal the dense call's."""
     B, T, H, K = 1, 300, 2, 128
     q, k, v, g, beta, h0, do, dfinal = _inputs(B, T, H, K, B, seed=7)
-    fused = torch.cat([q, k, v], dim=-1)  # [B, T, H, 3K]: q, k, v are strided views of it
+    fused = torch.cat([q, k, v], dim=-1).requires_grad_(True)  # [B, T, H, 3K]: q, k, v are views of it
     views = fused[..., :K], fused[..., K:2 * K], fused[..., 2 * K:]
     assert not any(x.is_contiguous() for x in views)
     o_view, _ = chunk_kda(*views, g, beta, backend="tilelang")
-    o_dense, _ = chunk_kda(q, k, v, g, beta, backend="tilelang")
+    (o_view.float() * do.float()).sum().backward()
+    dense = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_dense, _ = chunk_kda(*dense, g, beta, backend="tilelang")
+    (o_dense.float() * do.float()).sum().backward()
     assert torch.equal(o_view, o_dense)
+    assert torch.equal(fused.grad, torch.cat([x.grad for x in dense], dim=-1))
