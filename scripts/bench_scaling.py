@@ -27,6 +27,7 @@ seconds.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -75,66 +76,65 @@ def make_op(method, group, P, T_total):
     raise ValueError(method)
 
 
-def time_step(fn, members, group, repeats, warmup=2):
-    """Median over repeats of the slowest member's CUDA-event time of fn(), in ms (None off-group)."""
-    world = dist.group.WORLD
+def time_step(fn, members, repeats, warmup=2):
+    """Median over repeats of the slowest member's CUDA-event time of fn(), in ms.
+
+    Every rank takes part in each repeat's barrier and all-reduce (ranks outside ``members`` only
+    wait), so a failure on any rank ends the measurement on every rank at the same repeat.
+    """
     rank = dist.get_rank()
-    inside = rank in members
     times = []
     for i in range(warmup + repeats):
-        dist.barrier(world)
+        dist.barrier()
         torch.cuda.synchronize()
-        ms = torch.zeros(1, device="cuda")
-        if inside:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms[0] = a.elapsed_time(b)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=world)
+        stat = torch.zeros(2, device="cuda")  # [ms, failed]
+        if rank in members:
+            try:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                stat[0] = a.elapsed_time(b)
+            except Exception as e:  # reported below, after every rank has joined
+                print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+                stat[1] = 1
+        dist.all_reduce(stat, op=dist.ReduceOp.MAX)
+        if stat[1].item():
+            raise RuntimeError("failed on at least one rank (see its message above)")
         if i >= warmup:
-            times.append(ms.item())
+            times.append(stat[0].item())
     return statistics.median(times)
 
 
 def measure(method, T_local, P, H, K, groups, repeats, T_total=None):
+    """{"fwd_ms", "fwd_bwd_ms"} of ``method`` on ranks 0..P-1; RuntimeError on every rank if it fails."""
     rank = dist.get_rank()
     members = list(range(P))
-    group = groups[P]
-    res = {}
-    fwd = fwd_bwd = None
-    err = None
-    if rank in members:
+    state = {}
+
+    def setup():  # inputs and the op, inside the timed protocol so that failures are collective
         (q, k, v, g, beta), do = inputs(T_local, H, K, seed=1000 * P + rank, requires_grad=True)
-        try:
-            op = make_op(method, group, P, T_total or T_local * P)
-        except Exception as e:
-            err = e
+        state.update(x=(q, k, v, g, beta), do=do, op=make_op(method, groups[P], P, T_total or T_local * P))
 
-        def fwd():
-            with torch.no_grad():
-                return op(q, k, v, g, beta)
+    def fwd():
+        with torch.no_grad():
+            return state["op"](*state["x"])
 
-        def fwd_bwd():
-            o = op(q, k, v, g, beta)
-            torch.autograd.backward(o, do)
-            for x in (q, k, v, g, beta):
-                x.grad = None
-    # a method that fails (e.g. the peer rejects a configuration) fails on every rank, never hangs
-    if fwd_bwd is not None and err is None:
-        try:
-            fwd_bwd()
-            torch.cuda.synchronize()
-        except Exception as e:
-            err = e
-    flag = torch.tensor([0 if err is None else 1], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        raise RuntimeError(f"{method} failed on some rank: {err!r}" if err else f"{method} failed on another rank")
-    res["fwd_ms"] = time_step(fwd, members, group, repeats)
-    res["fwd_bwd_ms"] = time_step(fwd_bwd, members, group, repeats)
+    def fwd_bwd():
+        o = state["op"](*state["x"])
+        torch.autograd.backward(o, state["do"])
+        for x in state["x"]:
+            x.grad = None
+
+    time_step(setup, members, repeats=1, warmup=0)
+    res = {"fwd_ms": time_step(fwd, members, repeats), "fwd_bwd_ms": time_step(fwd_bwd, members, repeats)}
+    state.clear()
     return res
+
+
+def fmt(x):
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def main():
@@ -151,7 +151,9 @@ def main():
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    # a rank stuck in a collective (a peer failed inside one) gives up after this, not 10 minutes
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
+                            timeout=datetime.timedelta(seconds=180))
     rank, world = dist.get_rank(), dist.get_world_size()
     Ps = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= world]
     groups = {p: (None if p == 1 else dist.new_group(list(range(p)))) for p in Ps}
@@ -163,6 +165,11 @@ def main():
     def log(msg):
         if rank == 0:
             print(msg, flush=True)
+
+    def past_deadline():  # rank 0's clock decides for everyone: the ranks never diverge
+        flag = torch.tensor([float(time.time() - t0 > args.deadline)], device="cuda")
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def save():
         if rank == 0:
@@ -186,15 +193,22 @@ def main():
     for T in args.weak:
         base = None
         for P in Ps:
-            if time.time() - t0 > args.deadline:
+            if past_deadline():
                 out["skipped"].append(f"weak T_local={T} P={P}: deadline")
                 continue
-            r = measure("scan", T, P, H, K, groups, args.repeats)
-            base = base or r
-            row = {"T_local": T, "P": P, **r, "fwd_eff": base["fwd_ms"] / r["fwd_ms"],
-                   "fwd_bwd_eff": base["fwd_bwd_ms"] / r["fwd_bwd_ms"]}
+            try:
+                r = measure("scan", T, P, H, K, groups, args.repeats)
+            except RuntimeError as e:
+                out["skipped"].append(f"weak T_local={T} P={P}: {e}")
+                log(f"| {T} | {P} | failed | | | |")
+                continue
+            if P == 1:
+                base = r
+            eff = (lambda key: base[key] / r[key]) if base else (lambda key: None)
+            row = {"T_local": T, "P": P, **r, "fwd_eff": eff("fwd_ms"), "fwd_bwd_eff": eff("fwd_bwd_ms")}
             out["weak"].append(row)
-            log(f"| {T} | {P} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {row['fwd_eff']:.3f} | {row['fwd_bwd_eff']:.3f} |")
+            log(f"| {T} | {P} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {fmt(row['fwd_eff'])} | "
+                f"{fmt(row['fwd_bwd_eff'])} |")
             save()
             torch.cuda.empty_cache()
 
@@ -207,21 +221,23 @@ def main():
             for P in Ps:
                 if T % P or (method == "ulysses" and H % P):
                     continue
-                if time.time() - t0 > args.deadline:
+                if past_deadline():
                     out["skipped"].append(f"strong T_total={T} P={P} {method}: deadline")
                     continue
                 try:
                     r = measure(method, T // P, P, H, K, groups, args.repeats, T_total=T)
-                except Exception as e:  # the peer may reject a configuration; report it, go on
-                    out["skipped"].append(f"strong T_total={T} P={P} {method}: {type(e).__name__}: {e}")
-                    log(f"| {T} | {P} | {method} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+                except RuntimeError as e:  # the peer may reject a configuration; report it, go on
+                    out["skipped"].append(f"strong T_total={T} P={P} {method}: {e}")
+                    log(f"| {T} | {P} | {method} | failed | | | |")
                     continue
-                base = base or r
+                if P == 1:
+                    base = r
+                sp = (lambda key: base[key] / r[key]) if base else (lambda key: None)
                 row = {"T_total": T, "P": P, "method": method, **r,
-                       "fwd_speedup": base["fwd_ms"] / r["fwd_ms"], "fwd_bwd_speedup": base["fwd_bwd_ms"] / r["fwd_bwd_ms"]}
+                       "fwd_speedup": sp("fwd_ms"), "fwd_bwd_speedup": sp("fwd_bwd_ms")}
                 out["strong"].append(row)
                 log(f"| {T} | {P} | {method} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
-                    f"{row['fwd_speedup']:.2f} | {row['fwd_bwd_speedup']:.2f} |")
+                    f"{fmt(row['fwd_speedup'])} | {fmt(row['fwd_bwd_speedup'])} |")
                 save()
                 torch.cuda.empty_cache()
     save()
