@@ -2,8 +2,9 @@
 
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
-the CP shard summary launch for the given head dim and dtype (every initial/final-state variant of the
-forward, as training, CP and Ulysses call it).
+the CP shard summary launch for the given head dim and dtype (chunk_kda's TileLang backend always
+runs the forward with an initial and a final state; the other three variants serve direct callers of
+kda_cp.kernels.chunk_kda_fwd).
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128
 """

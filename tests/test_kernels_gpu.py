@@ -194,8 +194,8 @@ def test_is_supported_on_this_gpu():
 
 
 def test_prepared_forward_equals_one_call():
-    """chunk_kda_fwd_prepare + chunk_kda_fwd(prepared=...) (how CP overlaps the exchange) is the
-    same computation as one chunk_kda_fwd call; a prepared result for other inputs is refused."""
+    """chunk_kda_fwd_prepare + chunk_kda_fwd(prepared=...) (how CP overlaps the exchange) gives the
+    one-call result bitwise; a prepared result for another scale or other tensors is refused."""
     B, T, H, K = 1, 777, 3, 128
     q, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=5)
     cu = torch.tensor([0, 100, 600, 777], device="cuda")
@@ -208,3 +208,5 @@ def test_prepared_forward_equals_one_call():
     assert torch.equal(o1, o2) and torch.equal(f1, f2)
     with pytest.raises(ValueError, match="prepared"):
         kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.2, cu_seqlens=cu, initial_state=h0, prepared=prep)
+    with pytest.raises(ValueError, match="prepared"):
+        kernels.chunk_kda_fwd(q, k.clone(), v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0, prepared=prep)

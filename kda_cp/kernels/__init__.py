@@ -156,9 +156,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     if prepared is None:
         prepared = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens,
                                          chunk_size=chunk_size, g_min=g_min)
-    elif prepared.key != (q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens)):
-        raise ValueError("chunk_kda_fwd: `prepared` was made for other inputs "
-                         f"({prepared.key} vs {(q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens))})")
+    elif prepared.key != _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
+        raise ValueError("chunk_kda_fwd: `prepared` was made for other inputs (tensors, shapes, dtype, scale, "
+                         f"chunk size or cu_seqlens): {prepared.key} vs "
+                         f"{_prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens)}")
     W, U, Qg, Kd, Aqk, Ec, tables = prepared.tensors
     state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
                                       store_ht=output_final_state)
@@ -168,8 +169,12 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     return o, ht
 
 
-def _cu_key(cu_seqlens):
-    return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+def _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
+    """What a PreparedForward was computed from: the very tensors (storage and version), their
+    shapes and dtype, the scale, chunk size and packed-sequence offsets."""
+    tensors = tuple((x.data_ptr(), x._version) for x in (q, k, v, g, beta))
+    cu = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    return (tensors, tuple(q.shape), tuple(v.shape), q.dtype, str(q.device), float(scale), chunk_size, cu)
 
 
 @dataclass
@@ -206,7 +211,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
     intra = build_intra_kernel(None, K, V, C, dt, scale=float(scale))
     intra(qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
     return PreparedForward((W, U, Qg, Kd, Aqk, Ec, tables),
-                           (q.shape, v.shape, float(scale), chunk_size, _cu_key(cu_seqlens)))
+                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
 
 
 def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
