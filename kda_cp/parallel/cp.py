@@ -134,6 +134,35 @@ def _shard_pair(backend, opts, plan, k, v, g, beta, h0) -> scan.AffineMap:
     return scan.AffineMap(torch.zeros_like(M), M @ h0_last.to(sdt) + St.to(sdt))
 
 
+def _summary_role(plan, opts) -> str:
+    """How this rank gets the pair it contributes to the forward exchange.
+
+    "forward_first": nothing flows into the shard (rank 0, or a packed shard whose first sequence
+        starts at its first token): it runs its forward from the known initial states at once and
+        hands over the end state of its last sequence as a constant map (0, S_end). No summary.
+    "unused": the last rank without final-state outputs: no rank reads its pair (the forward scan is
+        exclusive, and in the backward its M only multiplies the zero final-state gradient). Zeros.
+    "summary": everything else: the shard's affine map from the summary pass.
+    """
+    if not plan.first_continues:
+        return "forward_first"
+    if plan.rank == plan.size - 1 and not opts.output_final_state:
+        return "unused"
+    return "summary"
+
+
+def _handover_pair(plan, ht, sdt) -> scan.AffineMap:
+    """The constant map (0, state after the shard's last sequence) of a forward-first rank."""
+    S = (ht if plan.segs is None else ht[-1:]).to(sdt)
+    return scan.AffineMap(S.new_zeros(*S.shape[:-1], S.shape[-2]), S)
+
+
+def _unused_pair(plan, k, v, sdt) -> scan.AffineMap:
+    n = k.shape[0] if plan.segs is None else 1
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    return scan.AffineMap(k.new_zeros(n, H, K, K, dtype=sdt), k.new_zeros(n, H, K, V, dtype=sdt))
+
+
 def _shard_prepare(backend, opts, plan, q, k, v, g, beta):
     """Forward 2 (during the exchange): the state-independent half of the local forward."""
     cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
@@ -221,12 +250,20 @@ class CPChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
-        pair = _shard_pair(backend, opts, plan, k, v, g, beta, h0)
-        h0 = h0.to(pair.M.dtype)
-        prepared = []  # the state-independent work runs while the pairs are in flight
-        s_in = _exclusive(pair, plan, group, reverse=False,
-                          overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
-        o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared[0])
+        sdt = reference._compute_dtype(q.dtype)
+        h0 = h0.to(sdt)
+        role = _summary_role(plan, opts)
+        if role == "forward_first":
+            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None)
+            pair = _handover_pair(plan, ht, sdt)
+            _exclusive(pair, plan, group, reverse=False)  # takes part; nothing flows in
+        else:
+            pair = (_unused_pair(plan, k, v, sdt) if role == "unused"
+                    else _shard_pair(backend, opts, plan, k, v, g, beta, h0))
+            prepared = []  # the state-independent work runs while the pairs are in flight
+            s_in = _exclusive(pair, plan, group, reverse=False,
+                              overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
+            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared[0])
         ctx.save_for_backward(q, k, v, g, beta, h0_local)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
         if not opts.output_final_state:
@@ -462,10 +499,19 @@ def cp_chunk_kda_in_one_process(
         return x[:, a:b].contiguous()
 
     ins = [[shard(x, r) for x in (q, k, v, g, beta)] for r in range(world_size)]
-    pairs = [_shard_pair(impl, opts, plans[r], *ins[r][1:], h0) for r in range(world_size)]
+    outs, pairs = [None] * world_size, []
+    for r in range(world_size):  # the same roles as the distributed op (_summary_role)
+        role = _summary_role(plans[r], opts)
+        if role == "forward_first":
+            outs[r] = _shard_forward(impl, opts, plans[r], *ins[r], h0, None)
+            pairs.append(_handover_pair(plans[r], outs[r][1], sdt))
+        elif role == "unused":
+            pairs.append(_unused_pair(plans[r], ins[r][1], ins[r][2], sdt))
+        else:
+            pairs.append(_shard_pair(impl, opts, plans[r], *ins[r][1:], h0))
     prefix = scan.exclusive_scan(scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs])),
                                  scan_method)
-    outs = [_shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r]) for r in range(world_size)]
+    outs = [outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r]) for r in range(world_size)]
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
