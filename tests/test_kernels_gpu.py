@@ -200,13 +200,14 @@ def test_prepared_forward_equals_one_call():
     q, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=5)
     cu = torch.tensor([0, 100, 600, 777], device="cuda")
     h0 = torch.randn(3, H, K, K, device="cuda")
-    prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=0.1, cu_seqlens=cu)
-    o1, f1 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0,
+    prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu)
+    o1, f1 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu, initial_state=h0,
                                    output_final_state=True, prepared=prep)
-    o2, f2 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0,
+    o2, f2 = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu, initial_state=h0,
                                    output_final_state=True)
     assert torch.equal(o1, o2) and torch.equal(f1, f2)
     with pytest.raises(ValueError, match="prepared"):
         kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.2, cu_seqlens=cu, initial_state=h0, prepared=prep)
     with pytest.raises(ValueError, match="prepared"):
-        kernels.chunk_kda_fwd(q, k.clone(), v, g, beta, scale=0.1, cu_seqlens=cu, initial_state=h0, prepared=prep)
+        kernels.chunk_kda_fwd(q, k.clone(), v, g, beta, scale=K**-0.5, cu_seqlens=cu, initial_state=h0,
+                              prepared=prep)
