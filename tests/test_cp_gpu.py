@@ -6,7 +6,7 @@ import torch
 
 from kda_cp import chunk_kda, naive_recurrent_kda
 from kda_cp.parallel.cp import cp_chunk_kda_in_one_process
-from tests._utils import assert_close
+from tests._utils import assert_close, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,9 @@ TOL = {"o": 5e-3, "final": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def _inputs(B, T, H, K, n_states, seed):
+def _inputs(B, T, H, K, n_states, seed, gates="mixed"):
+    """bf16 q, k, v, do; fp32 g, beta, h0, dfinal. gates="mixed": per-channel bias over [-8, 3]
+    (slow channels carry the state across shards, so M matters); "fast": g = -5 sigmoid(randn)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*s):
@@ -24,9 +26,10 @@ def _inputs(B, T, H, K, n_states, seed):
     q = rnd(B, T, H, K).bfloat16().cuda()
     k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).bfloat16().cuda()
     v = rnd(B, T, H, K).bfloat16().cuda()
-    # slow and fast channels (per-channel bias over [-8, 3]): M of a shard must not underflow
-    bias = torch.stack([torch.linspace(-8.0, 3.0, K)[torch.randperm(K, generator=gen)] for _ in range(H)])
-    g = (-5 * torch.sigmoid(rnd(B, T, H, K) + bias)).cuda()
+    z = rnd(B, T, H, K)
+    if gates == "mixed":
+        z = z + torch.stack([torch.linspace(-8.0, 3.0, K)[torch.randperm(K, generator=gen)] for _ in range(H)])
+    g = (-5 * torch.sigmoid(z)).cuda()
     beta = torch.rand(B, T, H, generator=gen).cuda()
     h0 = rnd(n_states, H, K, K).cuda()
     do = rnd(B, T, H, K).bfloat16().cuda()
@@ -77,27 +80,43 @@ UNALIGNED = [
 ]
 
 
-@pytest.mark.parametrize("P,T,lengths,cu", [c[1:] for c in ALIGNED + UNALIGNED],
-                         ids=[c[0] for c in ALIGNED + UNALIGNED])
-def test_cp_shards_in_one_process_tilelang(P, T, lengths, cu):
+def check_cp(o, f, grads, fp64, unsharded=None, gates="mixed"):
+    """CP results against fp64 at the kernel tolerances, and against the unsharded kernels.
+
+    Against the unsharded kernels: with fast gates (the chain state is forgotten within a shard) the
+    two run the same chunks and must agree to 1e-3 relative. With slow channels the state crosses
+    ranks through M in fp32 (3xTF32) where one GPU carries it through bf16-operand GEMMs, so the two
+    differ by about the single-device error itself (measured 1.1e-3 to 1.4e-3 on the H200); there
+    CP must be at least as accurate as one GPU: its error vs fp64 within 1e-3 of the unsharded one.
+    """
+    outs = [("o", o, fp64[0]), ("final", f, fp64[1])] + list(zip(NAMES, grads, fp64[2]))
+    for name, x, r in outs:
+        assert_close(f"{name} vs fp64", r, x.cpu(), TOL[name])
+    if unsharded is None:
+        return
+    for (name, x, r), u in zip(outs, [unsharded[0], unsharded[1], *unsharded[2]]):
+        if gates == "fast":
+            assert_close(f"{name} vs unsharded", u.float().cpu(), x.float().cpu(), 1e-3)
+        else:
+            e_cp, e_u = rel_rms(r, x.cpu()), rel_rms(r, u.cpu())
+            assert e_cp <= e_u + 1e-3, f"{name}: CP error vs fp64 {e_cp:.2e} > one GPU's {e_u:.2e} + 1e-3"
+
+
+CASES = [(*c, gates) for c in ALIGNED for gates in ("fast", "mixed")] + [(*c, "mixed") for c in UNALIGNED]
+
+
+@pytest.mark.parametrize("P,T,lengths,cu,gates", [c[1:] for c in CASES], ids=[f"{c[0]}-{c[-1]}" for c in CASES])
+def test_cp_shards_in_one_process_tilelang(P, T, lengths, cu, gates):
     B = 2 if cu is None else 1
     n = B if cu is None else len(cu) - 1
     H, K = 4, 128
-    q, k, v, g, beta, h0, do, dfinal = _inputs(B, T, H, K, n, seed=P * T)
+    inputs = _inputs(B, T, H, K, n, seed=P * T, gates=gates)
+    q, k, v, g, beta, h0, do, dfinal = inputs
     o, f, grads = cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=P, lengths=lengths, cu_seqlens=cu,
                                               initial_state=h0, output_final_state=True, do=do, dfinal=dfinal,
                                               backend="tilelang")
-    if (lengths, cu) in [(c[3], c[4]) for c in ALIGNED]:
-        o_u, f_u, g_u = _unsharded_tilelang(q, k, v, g, beta, h0, do, dfinal, cu)
-        assert_close("o vs unsharded", o_u.float(), o.float(), 1e-3)
-        assert_close("final vs unsharded", f_u, f, 1e-3)
-        for name, r, x in zip(NAMES, g_u, grads):
-            assert_close(f"{name} vs unsharded", r.float(), x.float(), 1e-3)
-    o_ref, f_ref, g_ref = _fp64_reference(q, k, v, g, beta, h0, do, dfinal, cu)
-    assert_close("o vs fp64", o_ref, o.cpu(), TOL["o"])
-    assert_close("final vs fp64", f_ref, f.cpu(), TOL["final"])
-    for name, r, x in zip(NAMES, g_ref, grads):
-        assert_close(f"{name} vs fp64", r, x.cpu(), TOL[name])
+    aligned = (lengths, cu) in [(c[3], c[4]) for c in ALIGNED]
+    check_cp(o, f, grads, _fp64_reference(*inputs, cu), _unsharded_tilelang(*inputs, cu) if aligned else None, gates)
 
 
 def test_strided_views_run_on_the_kernels():

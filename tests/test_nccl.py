@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from test_cp_gpu import NAMES, TOL, _fp64_reference, _inputs, _unsharded_tilelang
+from test_cp_gpu import _fp64_reference, _inputs, _unsharded_tilelang, check_cp
 from tests._utils import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -73,40 +73,33 @@ def _gather(res):
 
 
 CASES = [
-    # id, P, T, shard lengths (None: equal), cu_seqlens (None: dense B=2), cuts on each sequence's chunk grid
-    ("P2-dense", 2, 1024, [256, 768], None, True),
-    ("P2-packed-aligned", 2, 2003, [1268, 735], [0, 15, 256, 756, 1956, 2003], True),
-    ("P2-packed-uneven", 2, 2003, [1001, 1002], [0, 15, 256, 756, 1956, 2003], False),
-    ("P4-packed-3ranks", 4, 3000, [300, 200, 1700, 800], [0, 100, 2500, 3000], False),
-    ("P8-dense-uneven", 8, 3000, [300, 63, 200, 137, 250, 100, 150, 1800], None, False),
+    # id, P, T, shard lengths (None: equal), cu_seqlens (None: dense B=2), cuts on each sequence's
+    # chunk grid, gates (see test_cp_gpu.check_cp)
+    ("P2-dense-fast", 2, 1024, [256, 768], None, True, "fast"),
+    ("P2-dense", 2, 1024, [256, 768], None, True, "mixed"),
+    ("P2-packed-aligned", 2, 2003, [1268, 735], [0, 15, 256, 756, 1956, 2003], True, "mixed"),
+    ("P2-packed-uneven", 2, 2003, [1001, 1002], [0, 15, 256, 756, 1956, 2003], False, "mixed"),
+    ("P4-packed-3ranks", 4, 3000, [300, 200, 1700, 800], [0, 100, 2500, 3000], False, "mixed"),
+    ("P8-dense-uneven", 8, 3000, [300, 63, 200, 137, 250, 100, 150, 1800], None, False, "mixed"),
 ]
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "p2p"])
-@pytest.mark.parametrize("P,T,lengths,cu,aligned", [pytest.param(*c[1:], marks=_needs(c[1]), id=c[0]) for c in CASES])
-def test_cp_chunk_kda_nccl_matches_one_gpu(P, T, lengths, cu, aligned, exchange):
+@pytest.mark.parametrize("P,T,lengths,cu,aligned,gates",
+                         [pytest.param(*c[1:], marks=_needs(c[1]), id=c[0]) for c in CASES])
+def test_cp_chunk_kda_nccl_matches_one_gpu(P, T, lengths, cu, aligned, gates, exchange):
     B = 2 if cu is None else 1
     n = B if cu is None else len(cu) - 1
     H, K = 4, 128
     lengths = lengths or [T // P] * P
-    inputs = _inputs(B, T, H, K, n, seed=P * T + len(exchange))
-    if cu is None or P > 2:  # (the P2 packed cases cut a sequence that starts in shard 0: a constant map)
+    inputs = _inputs(B, T, H, K, n, seed=P * T + len(exchange), gates=gates)
+    if gates == "mixed" and (cu is None or P > 2):  # (P2 packed: the cut sequence starts in shard 0)
         _assert_transitions_matter(inputs, lengths)
     res = run_ranks(_cp_body, P, [t.cpu() for t in inputs], lengths, cu, exchange, backend="nccl", timeout=300)
     o, f, grads = _gather(res)
     for r in res[1:]:  # replicated outputs are identical on every rank
         assert torch.equal(r["f"], res[0]["f"]) and torch.equal(r["grads"][5], res[0]["grads"][5])
-    if aligned:  # the same chunks as one GPU: only the summary / scan / NCCL path differs
-        o_u, f_u, g_u = _unsharded_tilelang(*inputs, cu)
-        assert_close("o vs one GPU", o_u.float().cpu(), o.float(), 1e-3)
-        assert_close("final vs one GPU", f_u.cpu(), f, 1e-3)
-        for name, r, x in zip(NAMES, g_u, grads):
-            assert_close(f"{name} vs one GPU", r.float().cpu(), x.float(), 1e-3)
-    o_ref, f_ref, g_ref = _fp64_reference(*inputs, cu)
-    assert_close("o vs fp64", o_ref, o, TOL["o"])
-    assert_close("final vs fp64", f_ref, f, TOL["final"])
-    for name, r, x in zip(NAMES, g_ref, grads):
-        assert_close(f"{name} vs fp64", r, x, TOL[name])
+    check_cp(o, f, grads, _fp64_reference(*inputs, cu), _unsharded_tilelang(*inputs, cu) if aligned else None, gates)
 
 
 # One training step of the hybrid model (KKKA, TileLang KDA under bf16 autocast, attention all-gather):
