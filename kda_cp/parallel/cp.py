@@ -2,7 +2,11 @@
 
 Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
   1. summarize the shard's last segment: (M, S~) with S_out = M S_in + S~. When that segment
-     starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~);
+     starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~).
+     Two roles skip the summary (``_summary_role``): a shard with nothing flowing in (rank 0, or
+     a packed shard whose first sequence starts at its first token) runs step 3 first and hands
+     over its end state as (0, S_end); the last rank without final-state outputs sends zeros (no
+     rank reads its pair). At P = 2 neither rank runs the summary;
   2. exchange the pairs (all-gather + local scan, or a log-depth scan over point-to-point
      sends); the exclusive prefix gives the state entering the shard's first token. The
      all-gather is issued asynchronously and the local work that needs no incoming state (gates,
