@@ -162,16 +162,23 @@ class Backend:
         """-> (o [B, T, H, V], ht [N, H, K, V]); ``prepared`` is ``prepare``'s result for these inputs."""
         raise NotImplementedError
 
-    def bwd(self, q, k, v, g, beta, h0, do, dht, opts: KDAOptions, cu_seqlens=None) -> Grads:
-        """Gradients of <o, do> + <ht, dht> with respect to q, k, v, g, beta and h0."""
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts: KDAOptions, cu_seqlens=None, prepared=None) -> Grads:
+        """Gradients of <o, do> + <ht, dht> with respect to q, k, v, g, beta and h0. ``prepared``:
+        ``prepare``'s result for these inputs, which the backend may use (and consume) or ignore."""
         raise NotImplementedError
 
     def summary(self, k, v, g, beta, opts: KDAOptions):
         """-> (M [B, H, K, K], S_tilde [B, H, K, V]) with S_out = M S_in + S_tilde."""
         raise NotImplementedError
 
-    def state_grad(self, q, k, v, g, beta, do, opts: KDAOptions):
-        """dh0 of <o, do> alone (dht = 0); independent of h0 because o is affine in h0."""
+    def summary_prepared(self, prepared, opts: KDAOptions, last_only: bool):
+        """``summary`` of each sequence of a ``prepare`` result (only the last one with
+        ``last_only``): the chunk-local work is shared with the forward that follows."""
+        raise NotImplementedError
+
+    def state_grad(self, q, k, v, g, beta, do, opts: KDAOptions, cu_seqlens=None, prepared=None):
+        """dh0 [N, H, K, V] of <o, do> alone (dht = 0), one row per sequence; independent of h0
+        because o is affine in h0. ``prepared`` as in ``bwd``, read and not consumed."""
         raise NotImplementedError
 
 
@@ -189,7 +196,8 @@ class TorchBackend(Backend):
             prepared=prepared,
         )
 
-    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
+        # autograd recomputes the chunk-local half itself: ``prepared`` is not needed here
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
         with torch.enable_grad():
             o, ht = reference.chunk_kda_torch(
@@ -205,13 +213,17 @@ class TorchBackend(Backend):
     def summary(self, k, v, g, beta, opts):
         return reference.chunk_kda_summary_torch(k, v, g, beta, chunk_size=opts.chunk_size)
 
-    def state_grad(self, q, k, v, g, beta, do, opts):
+    def summary_prepared(self, prepared, opts, last_only):
+        return reference.chunk_kda_summary_torch_prepared(prepared, last_only=last_only)
+
+    def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
         B, _, H, K = q.shape
-        h0 = q.new_zeros(B, H, K, v.shape[-1], dtype=reference._compute_dtype(q.dtype)).requires_grad_(True)
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        h0 = q.new_zeros(N, H, K, v.shape[-1], dtype=reference._compute_dtype(q.dtype)).requires_grad_(True)
         with torch.enable_grad():
             o, _ = reference.chunk_kda_torch(
                 q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), opts.scale, h0, False,
-                chunk_size=opts.chunk_size,
+                cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, prepared=prepared,
             )
             (dh0,) = torch.autograd.grad(o, h0, do)
         return dh0
@@ -235,7 +247,7 @@ class TileLangBackend(Backend):
             cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min, prepared=prepared,
         )
 
-    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None):
+    def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
         from kda_cp.kernels.backward import chunk_kda_bwd
 
         if do is None:  # only the final state was used downstream
@@ -243,17 +255,21 @@ class TileLangBackend(Backend):
         return Grads(*chunk_kda_bwd(
             q, k, v, g, beta, scale=opts.scale, initial_state=h0.float().contiguous(),
             do=do.to(q.dtype).contiguous(), dht=None if dht is None else dht.float().contiguous(),
-            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
+            cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min, prepared=prepared,
         ))
 
     def summary(self, k, v, g, beta, opts):
         return self.kernels.chunk_kda_summary(k, v, g, beta, chunk_size=opts.chunk_size, g_min=opts.g_min)
 
-    def state_grad(self, q, k, v, g, beta, do, opts):
+    def summary_prepared(self, prepared, opts, last_only):
+        return self.kernels.chunk_kda_summary_prepared(prepared, last_only=last_only)
+
+    def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
         from kda_cp.kernels.backward import chunk_kda_state_grad
 
         return chunk_kda_state_grad(q, k, v, g, beta, scale=opts.scale, do=do.to(q.dtype).contiguous(),
-                                    chunk_size=opts.chunk_size, g_min=opts.g_min)
+                                    cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
+                                    prepared=prepared)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_torch_prepare", "chunk_kda_summary_torch", "SUB_CHUNK"]
+__all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_torch_prepare", "chunk_kda_summary_torch",
+           "chunk_kda_summary_torch_prepared", "SUB_CHUNK"]
 
 #: Length of the sub-chunks inside a chunk. Decay factors are only ever formed between positions
 #: of one sub-chunk or through the boundary between two sub-chunks, so no exponent is positive.
@@ -320,3 +321,27 @@ def chunk_kda_summary_torch(
     h0 = torch.cat([k_.new_zeros(B, H, K, V), eye], dim=-1)
     _, s_aug = _chunk_kda_dense(k_, k_, v_aug, g_, b_, 1.0, h0, chunk_size, with_output=False)
     return s_aug[..., V:], s_aug[..., :V]
+
+
+def chunk_kda_summary_torch_prepared(prepared: list[_ChunkIntra], last_only: bool = False):
+    """:func:`chunk_kda_summary_torch` from a :func:`chunk_kda_torch_prepare` result, without
+    recomputing the chunk-local half: the state pass from [0 | I] with pseudo-values [U | 0].
+
+    Args:
+        prepared: one entry per packed sequence, or one for a dense batch.
+        last_only: only the last entry (for packed sequences: the last sequence).
+    Returns:
+        (M [N, H, K, K], S_tilde [N, H, K, V]) in the prepared compute dtype; N = the dense batch,
+        the number of sequences, or (``last_only`` with packed sequences) 1.
+    """
+    parts = prepared[-1:] if last_only else prepared
+    Ms, Ss = [], []
+    for intra in parts:
+        B, H, N, C, V = intra.u.shape
+        K = intra.w.shape[-1]
+        aug = intra._replace(u=torch.cat([intra.u, intra.u.new_zeros(B, H, N, C, K)], dim=-1), qg=None, a_qk=None)
+        eye = torch.eye(K, dtype=intra.u.dtype, device=intra.u.device).expand(B, H, K, K)
+        _, s_aug = _chunk_state_pass(aug, torch.cat([intra.u.new_zeros(B, H, K, V), eye], dim=-1), 1.0)
+        Ms.append(s_aug[..., V:])
+        Ss.append(s_aug[..., :V])
+    return torch.cat(Ms, dim=0), torch.cat(Ss, dim=0)

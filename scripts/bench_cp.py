@@ -2,8 +2,11 @@
 
 On one device this times what a middle rank of a CP group computes, against the plain local op:
 
-    CP forward  = summary of the shard + scan over P gathered pairs + forward from the true state
-    CP backward = state gradient (dht = 0) + reverse scan + backward from the true state
+    CP forward  = chunk-local half of the forward (prepare) + summary from it + scan over P gathered
+                  pairs + state pass from the true state (reusing the prepared tensors)
+    CP backward = prepare + state gradient (dht = 0) + reverse scan + backward from the true state
+                  (state gradient and backward share the prepared tensors)
+as cp_chunk_kda runs them on a rank that summarises its shard (kda_cp/parallel/cp.py).
     ratio       = CP time / plain local forward (or forward+backward) time
 
 The all-gathered pairs of the other ranks are random maps of the right shapes (the scan's cost does
@@ -56,25 +59,32 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
         return backend.bwd(q, k, v, g, beta, zero, do, zero, opts)
 
     def cp_fwd():
-        M, St = backend.summary(k, v, g, beta, opts)
+        prepared = backend.prepare(q, k, v, g, beta, opts)
+        M, St = backend.summary_prepared(prepared, opts, last_only=False)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, St.to(sdt)
         prefix = scan.exclusive_scan(maps)
         s_in = prefix.S[rank]
-        backend.fwd(q, k, v, g, beta, s_in, opts)
+        backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
         return M, s_in
 
     def cp_fwd_bwd():
         M, s_in = cp_fwd()
-        G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
+        prepared = backend.prepare(q, k, v, g, beta, opts)
+        G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, G
         suffix = scan.reverse_transposed_exclusive_scan(maps)
         d_end = suffix.S[rank]
-        return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts)
+        return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts, prepared=prepared)
 
-    def summary_only():
-        return backend.summary(k, v, g, beta, opts)
+    prepared_once = backend.prepare(q, k, v, g, beta, opts)
+
+    def summary_only():  # the marginal cost of the summary: from the forward's prepared tensors
+        return backend.summary_prepared(prepared_once, opts, last_only=False)
+
+    def state_grad_only():  # the marginal cost of the state gradient: the backward prepares anyway
+        return backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared_once)
 
     with torch.no_grad():
         res = {
@@ -82,6 +92,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
             "plain_fwd_ms": time_ms(plain_fwd, repeats, device=device),
             "cp_fwd_ms": time_ms(cp_fwd, repeats, device=device),
             "summary_ms": time_ms(summary_only, repeats, device=device),
+            "state_grad_ms": time_ms(state_grad_only, repeats, device=device),
             "plain_fwd_bwd_ms": time_ms(plain_fwd_bwd, repeats, device=device),
             "cp_fwd_bwd_ms": time_ms(cp_fwd_bwd, repeats, device=device),
         }
@@ -114,13 +125,16 @@ def main():
     H, K = args.heads, args.head_dim
     rows = []
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
-    print("| T_local | plain fwd ms | CP fwd ms | ratio | summary ms | plain fwd+bwd ms | CP fwd+bwd ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T_local | plain fwd ms | CP fwd ms | ratio | summary ms | plain fwd+bwd ms | CP fwd+bwd ms | ratio "
+          "| state grad ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in args.t_local:
         r = bench_shard(T, H, K, K, args.world_size, device, dtype, args.backend, args.repeats)
         rows.append(r)
         print(f"| {T} | {r['plain_fwd_ms']:.3f} | {r['cp_fwd_ms']:.3f} | {r['fwd_ratio']:.3f} | {r['summary_ms']:.3f} "
-              f"| {r['plain_fwd_bwd_ms']:.3f} | {r['cp_fwd_bwd_ms']:.3f} | {r['fwd_bwd_ratio']:.3f} |")
+              f"| {r['plain_fwd_bwd_ms']:.3f} | {r['cp_fwd_bwd_ms']:.3f} | {r['fwd_bwd_ratio']:.3f} "
+              f"| {r['state_grad_ms']:.3f} |")
+    print("(summary and state grad: their marginal cost, given the prepared chunk-local tensors)")
     print(f"\nBytes each rank sends per layer (B=1, H={H}, K=V={K}, fp32 pairs), any T:")
     print("| P | all-gather | p2p log-depth |")
     print("|---|---|---|")

@@ -113,6 +113,35 @@ def test_state_grad_matches_autograd():
     check("state_grad vs bwd dh0", full, G, 1e-5)
 
 
+def test_prepared_is_shared_by_state_grad_and_bwd():
+    """How the CP backward runs the chunk-local kernel once: the state gradient (per packed sequence)
+    and the backward given the forward's PreparedForward equal the calls that recompute it, bitwise;
+    the backward consumes it, and a consumed or foreign one is refused."""
+    lens = [300, 17, 500]
+    H, K = 3, 128
+    T = sum(lens)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, g, beta, do, h0, dht = make(1, T, H, K, K, len(lens))
+    scale = K ** -0.5
+    prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu)
+    G1 = backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do, cu_seqlens=cu, prepared=prep)
+    G2 = backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do, cu_seqlens=cu)
+    assert torch.equal(G1, G2)
+    ref = oracle_grads(q, k, v, g, beta, scale, h0, do, None, cu_seqlens=cu)[5]
+    check("state_grad per sequence", ref, G1, TOL["dh0"])
+    with pytest.raises(ValueError, match="prepared"):
+        backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale * 2, do=do, cu_seqlens=cu, prepared=prep)
+    a = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, cu_seqlens=cu,
+                               prepared=prep)
+    assert prep.tensors is None, "chunk_kda_bwd must consume the prepared tensors"
+    b = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, cu_seqlens=cu)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), f"{name} differs with a shared PreparedForward"
+    with pytest.raises(ValueError, match="consumed"):
+        backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, cu_seqlens=cu,
+                               prepared=prep)
+
+
 def test_varlen_padding_zeros():
     """Packed sequences with per-sequence h0/dht and a padding tail past cu_seqlens[-1]."""
     lens = [15, 241, 0, 500, 64, 47]

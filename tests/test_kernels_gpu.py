@@ -187,6 +187,44 @@ def test_summary_composes_to_final_state():
     check("whole-sequence M vs composed", M, Mw, SUMMARY_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_summary_prepared_matches_fp64(dtype):
+    """The CP summary from the forward's chunk-local tensors (W, Kd, U in the input dtype; every
+    product 2xTF32): M and S~ of each sequence, and of the last one alone, against fp64. Its factors
+    are the forward's own, so the forward's tolerance for the final state applies (not the 1e-3 of
+    the fp32 summary, which recomputes W and Kd in fp32)."""
+    H, K = 3, 128
+    lens = [700, 45, 1333]  # not multiples of the chunk size
+    T = sum(lens)
+    q, k, v, g, beta = make(1, T, H, K, K, dtype=dtype, gates="mixed", seed=41)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu)
+    M, St = kernels.chunk_kda_summary_prepared(prep)
+    Ml, Sl = kernels.chunk_kda_summary_prepared(prep, last_only=True)
+    assert M.shape == (3, H, K, K) and Ml.shape == (1, H, K, K)
+    assert torch.equal(Ml, M[-1:]) and torch.equal(Sl, St[-1:])
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        M_ref, St_ref = _summary_oracle(*(x[:, a:b] for x in (k, v, g, beta)))
+        check(f"M of sequence {i}", M_ref, M[i:i + 1], FWD_TOL)
+        check(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], FWD_TOL)
+
+
+def test_summary_prepared_composes_to_final_state():
+    """Two halves' prepared summaries, composed and applied to h0, give the whole sequence's final state."""
+    B, T, H, K = 2, 1500, 4, 128
+    cut = 587
+    q, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=43)
+    h0 = torch.randn(B, H, K, K, device="cuda")
+    pairs = []
+    for a, b in ((0, cut), (cut, T)):
+        xs = [x[:, a:b].contiguous() for x in (q, k, v, g, beta)]
+        pairs.append(kernels.chunk_kda_summary_prepared(kernels.chunk_kda_fwd_prepare(*xs, scale=K**-0.5)))
+    (M1, S1), (M2, S2) = pairs
+    composed = M2.double() @ (M1.double() @ h0.double() + S1.double()) + S2.double()
+    _, ht_ref = oracle(q, k, v, g, beta, 1.0, h0)
+    check("composed final state", ht_ref, composed, FWD_TOL)
+
+
 def test_is_supported_on_this_gpu():
     q, k, v, g, beta = make(1, 64, 2, 128, 128)
     ok, why = kernels.is_supported(q, k, v, g, beta)

@@ -89,6 +89,39 @@ def test_prepared_forward_is_the_same_forward():
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
+def test_summary_and_state_grad_from_prepared():
+    """The CP stages that share the chunk-local half (torch backend, fp64): the summary of each
+    packed sequence (and of the last alone) equals the one-pass summary of that sequence, and the
+    state gradient per sequence equals autograd of the recurrence, with or without ``prepared``."""
+    from kda_cp.ops import KDAOptions, get_backend
+    from kda_cp.reference import naive_recurrent_kda
+
+    H, K, V = 2, 8, 4
+    lens = [40, 1, 109]
+    T = sum(lens)
+    q, k, v, g, beta, _ = make_inputs(1, T, H, K, V)
+    cu = torch.tensor([0, 40, 41, 150])
+    backend = get_backend("torch", q, k, v, g, beta)
+    opts = KDAOptions(scale=0.3, chunk_size=16)
+    prepared = backend.prepare(q, k, v, g, beta, opts, cu)
+    M, St = backend.summary_prepared(prepared, opts, last_only=False)
+    Ml, Sl = backend.summary_prepared(prepared, opts, last_only=True)
+    assert M.shape == (3, H, K, K) and Ml.shape == (1, H, K, K)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        Mi, Si = backend.summary(*(x[:, a:b] for x in (k, v, g, beta)), opts)
+        torch.testing.assert_close(M[i:i + 1], Mi, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(St[i:i + 1], Si, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(Ml, M[-1:], rtol=0, atol=0)
+    torch.testing.assert_close(Sl, St[-1:], rtol=0, atol=0)
+    do = torch.randn(1, T, H, V, dtype=torch.float64)
+    h0 = torch.randn(3, H, K, V, dtype=torch.float64, requires_grad=True)
+    o, _ = naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=h0, cu_seqlens=cu)
+    (ref,) = torch.autograd.grad(o, h0, do)
+    for prep in (None, prepared):
+        G = backend.state_grad(q, k, v, g, beta, do, opts, cu, prepared=prep)
+        torch.testing.assert_close(G, ref, rtol=1e-9, atol=1e-11)
+
+
 def test_head_first_layout_warns():
     from kda_cp import ops
 

@@ -5,6 +5,8 @@ Public API (wired into ``kda_cp.ops.chunk_kda`` by ops.py):
     chunk_kda_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
                   chunk_size=64, g_min=-5.0) -> (o, final_state | None)
     chunk_kda_summary(k, v, g, beta, *, chunk_size=64, g_min=-5.0) -> (M, S_tilde)
+    chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale, cu_seqlens, ...) -> PreparedForward
+    chunk_kda_summary_prepared(prepared, *, last_only=False) -> (M, S_tilde)
     is_supported(q, k, v, g, beta, cu_seqlens=None) -> (bool, reason)
 
 Recurrence (DESIGN.md §1), per batch element / sequence and head, log decay g in natural log:
@@ -22,8 +24,8 @@ import torch
 
 from ._common import build_chunk_tables
 
-__all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary", "is_supported",
-           "SUPPORTED_HEAD_DIMS"]
+__all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary",
+           "chunk_kda_summary_prepared", "is_supported", "SUPPORTED_HEAD_DIMS"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -156,11 +158,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     if prepared is None:
         prepared = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens,
                                          chunk_size=chunk_size, g_min=g_min)
-    elif prepared.key != _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
-        raise ValueError("chunk_kda_fwd: `prepared` was made for other inputs (tensors, shapes, dtype, scale, "
-                         f"chunk size or cu_seqlens): {prepared.key} vs "
-                         f"{_prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens)}")
-    W, U, Qg, Kd, Aqk, Ec, tables = prepared.tensors
+    W, U, Qg, Kd, Aqk, Ec, tables = _prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
+                                                      chunk_size, cu_seqlens)
     state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
                                       store_ht=output_final_state)
     h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
@@ -177,11 +176,27 @@ def _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
     return (tensors, tuple(q.shape), tuple(v.shape), q.dtype, str(q.device), float(scale), chunk_size, cu)
 
 
+def _prepared_tensors(prepared, who, q, k, v, g, beta, scale, chunk_size, cu_seqlens, consume=False):
+    """The tensors of ``prepared`` after checking it was made for exactly these inputs."""
+    key = _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens)
+    if prepared.tensors is None:
+        raise ValueError(f"{who}: `prepared` was already consumed by chunk_kda_bwd")
+    if prepared.key != key:
+        raise ValueError(f"{who}: `prepared` was made for other inputs (tensors, shapes, dtype, scale, "
+                         f"chunk size or cu_seqlens): {prepared.key} vs {key}")
+    tensors = prepared.tensors
+    if consume:
+        prepared.tensors = None
+    return tensors
+
+
 @dataclass
 class PreparedForward:
     """The state-independent half of the forward (chunk_kda_fwd_prepare): per chunk and head, W, U,
     Qg, Kd, Aqk in the input dtype and eC in fp32, plus the chunk tables. ``key`` ties it to the
-    inputs it was made for."""
+    inputs it was made for. The forward, the CP summary (chunk_kda_summary_prepared), the state
+    gradient and the backward all start from these tensors; chunk_kda_bwd consumes them (sets
+    ``tensors`` to None) so that it can free each one as soon as its stages are done with it."""
 
     tensors: tuple
     key: tuple
@@ -212,6 +227,51 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
     intra(qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
     return PreparedForward((W, U, Qg, Kd, Aqk, Ec, tables),
                            _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
+
+
+def _summary_block_v(dev, rows, H, K, V):
+    """64 augmented columns per block (one per SM at B*H = 32); with too few blocks for one wave,
+    32-column blocks put twice as many to work (e.g. B*H = 16 on 132 SMs)."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return 64 if rows * H * (V + K) // 64 >= (3 * sms) // 4 else 32
+
+
+def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = False):
+    """The affine maps (M, S~) of the sequences of a prepared forward, from its chunk-local tensors.
+
+    Context parallelism needs both the shard's forward and its summary; this derives the summary
+    from what :func:`chunk_kda_fwd_prepare` already computed (W, U, Kd in the input dtype, eC in
+    fp32), so the chunk-local kernel runs once per shard instead of twice (DESIGN.md §3).
+
+    Math: as :func:`chunk_kda_summary`, per sequence n of the prepared inputs (row b of a dense
+    batch, or packed sequence n): S_out = M S_in + S~ with M = prod_c (Diag(eC_c) - Kd_c^T W_c) over
+    the sequence's chunks, S~ its end state from zero.
+
+    Args:
+        prepared: a :class:`PreparedForward` (any head dim / dtype it supports).
+        last_only: summarise only the last sequence (for a CP shard: the segment that continues on
+            the next rank).
+    Returns:
+        (M [N, H, K, K] fp32, S_tilde [N, H, K, V] fp32); N = 1 with ``last_only``. An empty
+        sequence gets (I, 0).
+    Numerics: the state and V' are split into TF32 head + tail and W, Kd are exact in TF32, so every
+        product (and so the chain of M) is carried at fp32 accuracy (2xTF32). The factors
+        Diag(eC) - Kd^T W themselves are the forward's: W and Kd rounded to the input dtype, as the
+        single-device forward applies them. So M is as accurate as the forward's own state (relative
+        RMS vs fp64 ~1e-3 to 3e-3 for bf16, growing slowly with the number of chunks), not as
+        :func:`chunk_kda_summary` (~2e-5), which recomputes W and Kd in fp32.
+    """
+    from .state import build_summary_kernel
+
+    W, U, _, Kd, _, Ec, tables = prepared.tensors
+    _, H, C, K = W.shape
+    V = U.shape[-1]
+    seq = tables.seq_table[-1:] if last_only else tables.seq_table
+    rows = seq.shape[0]
+    SM = torch.empty(rows, H, K, V + K, device=W.device, dtype=torch.float32)
+    build_summary_kernel(None, K, V, C, dtype=_tl_name(W.dtype), block_v=_summary_block_v(W.device, rows, H, K, V))(
+        W, U, Kd, Ec, seq, SM)
+    return SM[..., V:].contiguous(), SM[..., :V].contiguous()
 
 
 def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
@@ -254,9 +314,6 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     KdT = torch.empty(NC, H, K, C, device=dev, dtype=torch.float32)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     build_intra_summary_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, KdT, Ec)
-    # one block per SM per (row, head, 64 augmented columns); with too few of them for one wave,
-    # 32-column blocks put twice as many blocks to work (e.g. B*H = 16 on 132 SMs)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    block_v = 64 if B * H * (V + K) // 64 >= (3 * sms) // 4 else 32
-    build_summary_kernel(None, K, V, C, block_v=block_v)(W, U, KdT, Ec, tables.seq_table, SM)
+    build_summary_kernel(None, K, V, C, block_v=_summary_block_v(dev, B, H, K, V))(
+        W, U, KdT, Ec, tables.seq_table, SM)
     return SM[..., V:].contiguous(), SM[..., :V].contiguous()

@@ -3,8 +3,9 @@
 Public API (to be wired into ``kda_cp.ops.TileLangBackend`` by ops.py):
 
     chunk_kda_bwd(q, k, v, g, beta, *, scale, initial_state, do, dht, cu_seqlens=None,
-                  chunk_size=64, g_min=-5.0) -> (dq, dk, dv, dg, dbeta, dh0)
-    chunk_kda_state_grad(q, k, v, g, beta, *, scale, do, chunk_size=64, g_min=-5.0) -> dh0
+                  chunk_size=64, g_min=-5.0, prepared=None) -> (dq, dk, dv, dg, dbeta, dh0)
+    chunk_kda_state_grad(q, k, v, g, beta, *, scale, do, cu_seqlens=None, chunk_size=64, g_min=-5.0,
+                         prepared=None) -> dh0
 
 Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against autograd):
 
@@ -24,13 +25,15 @@ mirror with these three rounded moves dq, dk, dg by < 2e-4 relative) and per chu
 in the input dtype); they are freed as soon as the next stage no longer needs them.
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
-G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3).
+G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3). Both take the
+forward's ``PreparedForward`` instead of running stage 1: the CP backward computes it once for the
+state gradient and the backward.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _check, _kernel_inputs, _tl_name, _validate
+from . import _check, _kernel_inputs, _prepared_tensors, _tl_name, _validate
 from ._common import build_chunk_tables
 
 __all__ = ["chunk_kda_bwd", "chunk_kda_state_grad"]
@@ -52,7 +55,7 @@ def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, d
 
 
 def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht=None, cu_seqlens=None,
-                  chunk_size: int = 64, g_min: float = -5.0):
+                  chunk_size: int = 64, g_min: float = -5.0, prepared=None):
     """Gradients of L = <o, do> + <ht, dht> for the KDA chunk forward, with TileLang kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -70,11 +73,14 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
         cu_seqlens: [N + 1] int32/int64 packed-sequence offsets (B == 1), read once on the host.
             Tokens past cu_seqlens[-1] get exact zero gradients.
         chunk_size: 64. g_min: declared gate bound in [-5, 0) (relied on, not checked).
+        prepared: :func:`kda_cp.kernels.chunk_kda_fwd_prepare`'s result for these very inputs (then
+            stage 1 is skipped), or None. It is consumed: its tensors are freed stage by stage.
     Returns:
         (dq [B,T,H,K], dk [B,T,H,K], dv [B,T,H,V] in q's dtype; dg [B,T,H,K] fp32;
          dbeta [B,T,H] in beta's dtype; dh0 [N,H,K,V] fp32).
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch (the message shows the shapes).
+        ValueError on a shape, dtype, contiguity or option mismatch (the message shows the shapes), or
+        a ``prepared`` made for other inputs or already consumed.
     Numerics: cumsums, exponentials, triangular solve, states and state gradients in fp32; GEMM
         operands in the input dtype (decayed products in bf16), fp32 accumulation.
     """
@@ -110,7 +116,12 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     NC = tables.num_chunks
     dt = _tl_name(dtype)
     qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
-    W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+    if prepared is None:
+        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+    else:
+        W, U, Qg, Kd, Aqk, Ec, _ = _prepared_tensors(prepared, "chunk_kda_bwd", q, k, v, g, beta, scale, C,
+                                                     cu_seqlens, consume=True)
+        del prepared
 
     # ---- stage 2: chunk-start states and chunk-end state gradients ----
     Hs = torch.empty(NC, H, K, V, device=dev, dtype=dtype)
@@ -149,7 +160,8 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
 
 
-def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, chunk_size: int = 64, g_min: float = -5.0):
+def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None, chunk_size: int = 64,
+                         g_min: float = -5.0, prepared=None):
     """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (DESIGN.md §3).
 
     o is affine in h0, so G does not depend on h0; no state is recomputed and no dq/dk/dv is formed:
@@ -158,26 +170,36 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, chunk_size: int 
     Args:
         q, k: [B, T, H, K] bf16/fp16; v: [B, T, H, V]; g: [B, T, H, K] fp32 in [g_min, 0];
         beta: [B, T, H] fp32 or q's dtype; do: [B, T, H, V] q's dtype; all contiguous.
-        scale: output scale. chunk_size: 64. g_min: declared gate bound in [-5, 0).
+        scale: output scale. cu_seqlens: [N + 1] packed-sequence offsets (B == 1) or None.
+        chunk_size: 64. g_min: declared gate bound in [-5, 0).
+        prepared: :func:`kda_cp.kernels.chunk_kda_fwd_prepare`'s result for these inputs and
+            cu_seqlens, or None; read, not consumed: the CP backward passes the same one on to
+            :func:`chunk_kda_bwd`, so stage 1 runs once for both.
     Returns:
-        dh0 [B, H, K, V] fp32.
+        dh0 [N, H, K, V] fp32 (N = B, or the number of sequences), one row per sequence.
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch.
+        ValueError on a shape, dtype, contiguity or option mismatch, or a ``prepared`` made for
+        other inputs.
     """
     from .bwd_state import build_bwd_state_kernel
 
-    B, T, H, K, V = _validate(q, k, v, g, beta, None, chunk_size, g_min)
+    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _check("do", do, (B, T, H, V), (q.dtype,))
     dev, dtype, C = q.device, q.dtype, chunk_size
-    zeros = torch.zeros(B, H, K, V, device=dev, dtype=torch.float32)
-    if T == 0:
+    zeros = torch.zeros(N, H, K, V, device=dev, dtype=torch.float32)
+    if T == 0 or N == 0:
         return zeros
-    tables = build_chunk_tables(B, T, None, C, dev)
+    tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
     dt = _tl_name(dtype)
-    qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
-    W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+    if prepared is None:
+        qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+    else:
+        W, U, Qg, Kd, Aqk, Ec, _ = _prepared_tensors(prepared, "chunk_kda_state_grad", q, k, v, g, beta, scale,
+                                                     C, cu_seqlens)
     dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
-    dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     build_bwd_state_kernel(None, K, V, C, dt, store_states=False)(
         W, U, Qg, Kd, Aqk, Ec, do.view(B * T, H, V), tables.seq_table, zeros, zeros, dummy, dummy, dh0)
     return dh0

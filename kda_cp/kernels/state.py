@@ -124,18 +124,23 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
     return compile_kernel(func, name="kda_state_output_fwd")
 
 
-def _summary_func(H, K, V, C, f32, block_v, threads, op):
+def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     NC = T.dynamic("NC")
     N = T.dynamic("N")
     Hn = T.dynamic("H") if H is None else H
     BV = block_v
     VA = V + K
+    # fp32 inputs (the summary intra kernel): W and Kd^T are split too (3xTF32). 16-bit inputs (the
+    # forward's chunk-local tensors): W and Kd are exact in TF32, so only the fp32 side (the state,
+    # V') is split and each product takes two TF32 GEMMs instead of three.
+    split_in = in_dtype == f32
+    kd_shape = [NC, Hn, K, C] if split_in else [NC, Hn, C, K]
 
     @T.prim_func
     def kda_state_summary(
-        W: T.Tensor([NC, Hn, C, K], f32),
-        U: T.Tensor([NC, Hn, C, V], f32),
-        KdT: T.Tensor([NC, Hn, K, C], f32),
+        W: T.Tensor([NC, Hn, C, K], in_dtype),
+        U: T.Tensor([NC, Hn, C, V], in_dtype),
+        Kd: T.Tensor(kd_shape, in_dtype),
         Ec: T.Tensor([NC, Hn, K], f32),
         Seq: T.Tensor([N, 4], "int32"),
         SM: T.Tensor([N, Hn, K, VA], f32),
@@ -151,9 +156,10 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op):
 
             # TF32 heads/tails of the operands (K-major, as the tensor cores read them)
             wh_s = T.alloc_shared([C, K], op)
-            wl_s = T.alloc_shared([C, K], op)
             kh_s = T.alloc_shared([K, C], op)
-            kl_s = T.alloc_shared([K, C], op)
+            if split_in:
+                wl_s = T.alloc_shared([C, K], op)
+                kl_s = T.alloc_shared([K, C], op)
             sh_s = T.alloc_shared([BV, K], op)  # S^T split
             sl_s = T.alloc_shared([BV, K], op)
             vh_s = T.alloc_shared([BV, C], op)  # V'^T split
@@ -162,68 +168,92 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op):
             S_f = T.alloc_fragment([K, BV], f32)
             vn_f = T.alloc_fragment([C, BV], f32)
             # registers holding the next chunk's inputs while this chunk computes (prefetch)
-            w_r = T.alloc_fragment([C, K], f32)
-            k_r = T.alloc_fragment([K, C], f32)
+            w_r = T.alloc_fragment([C, K], in_dtype)
+            k_r = T.alloc_fragment([K, C] if split_in else [C, K], in_dtype)
             u_r = T.alloc_fragment([C, BV], f32)
             e_r = T.alloc_local([1], f32)
 
             for d, j in T.Parallel(K, BV):
                 S_f[d, j] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
 
-            # prologue: chunk 0 (nc >= 1 for every launched sequence of the summary)
+            # prologue: chunk 0 (an empty sequence, nc = 0, reads a valid chunk and keeps [0 | I])
+            cf = T.min(c0, NC - 1)
             for i, d in T.Parallel(C, K):
-                w_r[i, d] = W[c0, ih, i, d]
-            for d, i in T.Parallel(K, C):
-                k_r[d, i] = KdT[c0, ih, d, i]
-            for i, j in T.Parallel(C, BV):
-                u_r[i, j] = T.if_then_else(is_m, T.float32(0), U[c0, ih, i, T.min(col0 + j, V - 1)])
-            if tx < K:
-                e_r[0] = Ec[c0, ih, tx]
-            for i, d in T.Parallel(C, K):
-                wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
-                wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
-            for d, i in T.Parallel(K, C):
-                kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
-                kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
-            if tx < K:
-                ec_s[tx] = e_r[0]
-
-            for c in T.serial(nc):
-                cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
-                # issue the next chunk's W, Kd^T, eC loads; they land during this chunk's GEMMs
-                for i, d in T.Parallel(C, K):
-                    w_r[i, d] = W[cn, ih, i, d]
+                w_r[i, d] = W[cf, ih, i, d]
+            if split_in:
                 for d, i in T.Parallel(K, C):
-                    k_r[d, i] = KdT[cn, ih, d, i]
-                if tx < K:
-                    e_r[0] = Ec[cn, ih, tx]
-                for d, j in T.Parallel(K, BV):
-                    sh_s[j, d] = T.cast(tf32_hi(S_f[d, j]), op)
-                    sl_s[j, d] = T.cast(S_f[d, j] - tf32_hi(S_f[d, j]), op)
-                # V' = U - W S   (3xTF32)
-                T.gemm(wh_s, sh_s, vn_f, transpose_B=True, clear_accum=True)
-                T.gemm(wh_s, sl_s, vn_f, transpose_B=True)
-                T.gemm(wl_s, sh_s, vn_f, transpose_B=True)
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = u_r[i, j] - vn_f[i, j]
-                for i, j in T.Parallel(C, BV):
-                    u_r[i, j] = T.if_then_else(is_m, T.float32(0), U[cn, ih, i, T.min(col0 + j, V - 1)])
-                for i, j in T.Parallel(C, BV):
-                    vh_s[j, i] = T.cast(tf32_hi(vn_f[i, j]), op)
-                    vl_s[j, i] = T.cast(vn_f[i, j] - tf32_hi(vn_f[i, j]), op)
-                # S <- Diag(eC) S + Kd^T V'   (3xTF32)
-                for d, j in T.Parallel(K, BV):
-                    S_f[d, j] = S_f[d, j] * ec_s[d]
-                T.gemm(kh_s, vh_s, S_f, transpose_B=True)
-                T.gemm(kh_s, vl_s, S_f, transpose_B=True)
-                T.gemm(kl_s, vh_s, S_f, transpose_B=True)
-                # the next chunk's operands, split, into shared memory
+                    k_r[d, i] = Kd[cf, ih, d, i]
+            else:
+                for i, d in T.Parallel(C, K):
+                    k_r[i, d] = Kd[cf, ih, i, d]
+            for i, j in T.Parallel(C, BV):
+                u_r[i, j] = T.if_then_else(is_m, T.float32(0), T.cast(U[cf, ih, i, T.min(col0 + j, V - 1)], f32))
+            if tx < K:
+                e_r[0] = Ec[cf, ih, tx]
+            if split_in:
                 for i, d in T.Parallel(C, K):
                     wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
                     wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
                 for d, i in T.Parallel(K, C):
                     kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
                     kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
+            else:
+                for i, d in T.Parallel(C, K):
+                    wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
+                for i, d in T.Parallel(C, K):
+                    kh_s[d, i] = T.cast(T.cast(k_r[i, d], f32), op)
+            if tx < K:
+                ec_s[tx] = e_r[0]
+
+            for c in T.serial(nc):
+                cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
+                # issue the next chunk's W, Kd, eC loads; they land during this chunk's GEMMs
+                for i, d in T.Parallel(C, K):
+                    w_r[i, d] = W[cn, ih, i, d]
+                if split_in:
+                    for d, i in T.Parallel(K, C):
+                        k_r[d, i] = Kd[cn, ih, d, i]
+                else:
+                    for i, d in T.Parallel(C, K):
+                        k_r[i, d] = Kd[cn, ih, i, d]
+                if tx < K:
+                    e_r[0] = Ec[cn, ih, tx]
+                for d, j in T.Parallel(K, BV):
+                    sh_s[j, d] = T.cast(tf32_hi(S_f[d, j]), op)
+                    sl_s[j, d] = T.cast(S_f[d, j] - tf32_hi(S_f[d, j]), op)
+                # V' = U - W S
+                T.gemm(wh_s, sh_s, vn_f, transpose_B=True, clear_accum=True)
+                T.gemm(wh_s, sl_s, vn_f, transpose_B=True)
+                if split_in:
+                    T.gemm(wl_s, sh_s, vn_f, transpose_B=True)
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = u_r[i, j] - vn_f[i, j]
+                for i, j in T.Parallel(C, BV):
+                    u_r[i, j] = T.if_then_else(is_m, T.float32(0),
+                                               T.cast(U[cn, ih, i, T.min(col0 + j, V - 1)], f32))
+                for i, j in T.Parallel(C, BV):
+                    vh_s[j, i] = T.cast(tf32_hi(vn_f[i, j]), op)
+                    vl_s[j, i] = T.cast(vn_f[i, j] - tf32_hi(vn_f[i, j]), op)
+                # S <- Diag(eC) S + Kd^T V'
+                for d, j in T.Parallel(K, BV):
+                    S_f[d, j] = S_f[d, j] * ec_s[d]
+                T.gemm(kh_s, vh_s, S_f, transpose_B=True)
+                T.gemm(kh_s, vl_s, S_f, transpose_B=True)
+                if split_in:
+                    T.gemm(kl_s, vh_s, S_f, transpose_B=True)
+                # the next chunk's operands, split, into shared memory
+                if split_in:
+                    for i, d in T.Parallel(C, K):
+                        wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
+                        wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
+                    for d, i in T.Parallel(K, C):
+                        kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
+                        kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
+                else:
+                    for i, d in T.Parallel(C, K):
+                        wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
+                    for i, d in T.Parallel(C, K):
+                        kh_s[d, i] = T.cast(T.cast(k_r[i, d], f32), op)
                 if tx < K:
                     ec_s[tx] = e_r[0]
 
@@ -246,16 +276,20 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
 
     Args:
         H: None (runtime) or an int; K, V, chunk_size static; V and K multiples of block_v.
-        dtype, accum_dtype: "float32" (the inputs come from the fp32 summary intra kernel).
+        dtype: the inputs' dtype. "float32": W, U, Kd^T from the fp32 summary intra kernel, every
+            product a 3xTF32 split. "bfloat16"/"float16": the forward's chunk-local tensors
+            (chunk_kda_fwd_prepare), exact in TF32, so only the state and V' are split (2xTF32).
+        accum_dtype: "float32".
         operand: element type of the split operands in shared memory, "float32" (mma.sync TF32)
             or "tfloat32" (lets TileLang pick wgmma); the values are exact either way.
     Returns:
-        kernel(W[NC,H,C,K], U[NC,H,C,V], KdT[NC,H,K,C], Ec[NC,H,K], Seq[N,4] i32,
-        SM[N,H,K,V+K]) writing SM = [S~ | M], all fp32. Every sequence must have >= 1 chunk.
+        kernel(W[NC,H,C,K], U[NC,H,C,V], Kd, Ec[NC,H,K] fp32, Seq[N,4] i32, SM[N,H,K,V+K] fp32)
+        writing SM = [S~ | M]; Kd is Kd^T [NC,H,K,C] for fp32 inputs, Kd [NC,H,C,K] for 16-bit ones.
+        A sequence with no chunks gets [0 | I].
     """
-    if V % block_v or K % block_v or accum_dtype != "float32" or dtype != "float32":
-        raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; fp32 only")
+    if V % block_v or K % block_v or accum_dtype != "float32":
+        raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; accum_dtype float32")
     if threads < K:
         raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC)")
-    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand)
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand, tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")

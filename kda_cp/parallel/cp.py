@@ -1,16 +1,21 @@
 """Context-parallel KDA: exact chunk_kda over a sequence sharded across the ranks of a group.
 
 Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
-  1. summarize the shard's last segment: (M, S~) with S_out = M S_in + S~. When that segment
-     starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~).
+  0. the state-independent half of the local forward (gates, decayed products, UT transform:
+     ``Backend.prepare``), computed once and shared by steps 1 and 3 (and, in the backward, by the
+     state gradient and the local backward);
+  1. summarize the shard's last segment from it: (M, S~) with S_out = M S_in + S~. When that
+     segment starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~).
      Two roles skip the summary (``_summary_role``): a shard with nothing flowing in (rank 0, or
      a packed shard whose first sequence starts at its first token) runs step 3 first and hands
      over its end state as (0, S_end); the last rank without final-state outputs sends zeros (no
      rank reads its pair). At P = 2 neither rank runs the summary;
   2. exchange the pairs (all-gather + local scan, or a log-depth scan over point-to-point
      sends); the exclusive prefix gives the state entering the shard's first token. The
-     all-gather is issued asynchronously and the local work that needs no incoming state (gates,
-     decayed products, UT transform: ``Backend.prepare``) runs while it is in flight;
+     all-gather is issued asynchronously; on the last rank (which sends zeros) step 0 runs while
+     it is in flight. On a summarising rank step 0 must precede the summary, so there is nothing
+     left to overlap: sharing step 0 saves a whole chunk-local pass, far more than the exchange
+     of one (M, S) pair per rank costs;
   3. the ordinary chunk forward of the shard's segments from their true incoming states.
 Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the shard):
   1. G_r = gradient of the shard's incoming state from its own outputs (and the final states
@@ -127,10 +132,10 @@ def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
 # ---- the stages of one shard, shared by the distributed op and the one-process driver ----------
 
 
-def _shard_pair(backend, opts, plan, k, v, g, beta, h0) -> scan.AffineMap:
-    """Forward 1: the shard's map of the chain state (constant when its last segment starts here)."""
-    last = [_slice_last(x, plan) for x in (k, v, g, beta)]
-    M, St = backend.summary(*last, opts)
+def _shard_pair(backend, opts, plan, prepared, h0) -> scan.AffineMap:
+    """Forward 1: the shard's map of the chain state (constant when its last segment starts here),
+    from the chunk-local tensors that the shard's forward then reuses (``prepared``)."""
+    M, St = backend.summary_prepared(prepared, opts, last_only=plan.segs is not None)
     sdt = M.dtype
     if plan.chained:
         return scan.AffineMap(M, St.to(sdt))
@@ -168,7 +173,8 @@ def _unused_pair(plan, k, v, sdt) -> scan.AffineMap:
 
 
 def _shard_prepare(backend, opts, plan, q, k, v, g, beta):
-    """Forward 2 (during the exchange): the state-independent half of the local forward."""
+    """The state-independent half of the local forward (gates, decayed products, UT transform),
+    shared by the summary, the forward, the state gradient and the backward of the shard."""
     cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
     return backend.prepare(q, k, v, g, beta, opts, cu_local)
 
@@ -201,13 +207,15 @@ def _inner_dht(plan, dfinal, h0_local) -> torch.Tensor:
     return dht
 
 
-def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal) -> torch.Tensor:
+def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal,
+                      prepared=None) -> torch.Tensor:
     """Backward 1: G, the gradient of the shard's incoming chain state from this shard alone."""
     segs, sdt = plan.segs, h0_local.dtype
     G = torch.zeros_like(h0_local[:1] if segs is not None else h0_local)
     if plan.first_continues:
         if segs is None or segs.num_segments == 1:
-            G = backend.state_grad(q, k, v, g, beta, do, opts).to(sdt)
+            cu_local = None if segs is None else segs.local_cu_seqlens(q.device)
+            G = backend.state_grad(q, k, v, g, beta, do, opts, cu_local, prepared=prepared).to(sdt)
         else:  # the first segment ends inside the shard, with its sequence's final-state gradient
             n = segs.cu_seqlens[1]
             G = backend.bwd(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], h0_local[:1],
@@ -217,6 +225,14 @@ def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, 
     if dfinal is not None and segs is not None and plan.rank > 0 and not segs.first_continues:
         G = G + dfinal[segs.seq_ids[0] - 1][None]
     return G
+
+
+def _backward_prepare(backend, opts, plan, q, k, v, g, beta):
+    """The chunk-local tensors for the state gradient and the backward of the shard, computed once
+    for both, where the state gradient runs over the whole shard; else None (each recomputes)."""
+    if plan.first_continues and (plan.segs is None or plan.segs.num_segments == 1):
+        return _shard_prepare(backend, opts, plan, q, k, v, g, beta)
+    return None
 
 
 def _end_dht(plan, suffix, dfinal, dht, like) -> torch.Tensor:
@@ -232,10 +248,10 @@ def _end_dht(plan, suffix, dfinal, dht, like) -> torch.Tensor:
     return dht
 
 
-def _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht):
+def _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared=None):
     """Backward 3: the local chunk backward -> (grads, this shard's rows of dh0 or None)."""
     cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
-    grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local)
+    grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local, prepared=prepared)
     if not plan.has_h0:
         return grads, None
     sdt = h0_local.dtype
@@ -261,13 +277,18 @@ class CPChunkKDAFunction(torch.autograd.Function):
             o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None)
             pair = _handover_pair(plan, ht, sdt)
             _exclusive(pair, plan, group, reverse=False)  # takes part; nothing flows in
-        else:
-            pair = (_unused_pair(plan, k, v, sdt) if role == "unused"
-                    else _shard_pair(backend, opts, plan, k, v, g, beta, h0))
+        elif role == "unused":
             prepared = []  # the state-independent work runs while the pairs are in flight
+            pair = _unused_pair(plan, k, v, sdt)
             s_in = _exclusive(pair, plan, group, reverse=False,
                               overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
             o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared[0])
+        else:  # the summary derives from the chunk-local tensors, which the forward then reuses
+            prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
+            pair = _shard_pair(backend, opts, plan, prepared, h0)
+            s_in = _exclusive(pair, plan, group, reverse=False).S
+            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
+            del prepared
         ctx.save_for_backward(q, k, v, g, beta, h0_local)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
         if not opts.output_final_state:
@@ -286,10 +307,12 @@ class CPChunkKDAFunction(torch.autograd.Function):
         else:
             dfinal = None
         dht = _inner_dht(plan, dfinal, h0_local)
-        G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal)
+        prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta)
+        G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal, prepared)
         suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
         dht = _end_dht(plan, suffix, dfinal, dht, G)
-        grads, dh0 = _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht)
+        grads, dh0 = _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared)
+        del prepared
         if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.
             dh0 = _sum_over_ranks(dh0, group, plan.size)
@@ -503,7 +526,7 @@ def cp_chunk_kda_in_one_process(
         return x[:, a:b].contiguous()
 
     ins = [[shard(x, r) for x in (q, k, v, g, beta)] for r in range(world_size)]
-    outs, pairs = [None] * world_size, []
+    outs, pairs, preps = [None] * world_size, [], [None] * world_size
     for r in range(world_size):  # the same roles as the distributed op (_summary_role)
         role = _summary_role(plans[r], opts)
         if role == "forward_first":
@@ -512,10 +535,13 @@ def cp_chunk_kda_in_one_process(
         elif role == "unused":
             pairs.append(_unused_pair(plans[r], ins[r][1], ins[r][2], sdt))
         else:
-            pairs.append(_shard_pair(impl, opts, plans[r], *ins[r][1:], h0))
+            preps[r] = _shard_prepare(impl, opts, plans[r], *ins[r])
+            pairs.append(_shard_pair(impl, opts, plans[r], preps[r], h0))
     prefix = scan.exclusive_scan(scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs])),
                                  scan_method)
-    outs = [outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r]) for r in range(world_size)]
+    outs = [outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r], preps[r])
+            for r in range(world_size)]
+    del preps
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
@@ -523,13 +549,16 @@ def cp_chunk_kda_in_one_process(
     dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
     dos = [shard(do, r) for r in range(world_size)]
     dhts = [_inner_dht(plans[r], dfin, outs[r][2]) for r in range(world_size)]
-    Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin) for r in range(world_size)]
+    preps = [_backward_prepare(impl, opts, plans[r], *ins[r]) for r in range(world_size)]
+    Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin, preps[r])
+          for r in range(world_size)]
     suffix = scan.reverse_transposed_exclusive_scan(
         scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs)), scan_method)
     grads, dh0 = [], None
     for r in range(world_size):
         dht = _end_dht(plans[r], scan.AffineMap(suffix.M[r], suffix.S[r]), dfin, dhts[r], Gs[r])
-        gr, rows = _shard_backward(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dht)
+        gr, rows = _shard_backward(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dht, preps[r])
+        preps[r] = None
         grads.append(gr)
         if rows is not None:
             dh0 = rows if dh0 is None else dh0 + rows
