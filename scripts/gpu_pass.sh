@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one-GPU check-and-benchmark pass: every `gpu` test of the kernels and of CP through them, the CP
+# cost benchmark, and the forward/backward benchmarks side by side with fla-core (when installed).
+#
+#   OUT=results bash scripts/gpu_pass.sh [tests|bench|fla|all ...]   (default: tests bench)
+#
+# "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py and
+# bench_kernels.py / bench_backward.py without the peer; "fla": bench_backward.py with fla-core at S1
+# (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
+# goes to $OUT/summary.log.
+set -uo pipefail
+OUT=${OUT:-gpu_pass_out}
+mkdir -p "$OUT"
+STEPS=${*:-tests bench}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/summary.log"
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
+}
+for step in $STEPS; do
+  case $step in
+    tests)
+      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+        tests/test_kernels_bwd_gpu.py tests/test_cp_gpu.py
+      tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
+    bench)
+      run bench_cp ${BENCH_LIMIT:-600} python scripts/bench_cp.py --t-local 8192 32768 131072 --repeats 10 --out "$OUT/bench_cp.json"
+      grep "^| " "$OUT/bench_cp.log" | head -5 | tee -a "$OUT/summary.log" ;;
+    fla)
+      run bench_backward 600 python scripts/bench_backward.py --shapes S1 --repeats 5 --out "$OUT/bench_backward.json"
+      grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
+    *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
+  esac
+done
