@@ -135,6 +135,7 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     # V') is split and each product takes two TF32 GEMMs instead of three.
     split_in = in_dtype == f32
     kd_shape = [NC, Hn, K, C] if split_in else [NC, Hn, C, K]
+    KPT = K * C // threads  # 16-bit Kd: key channels per thread
 
     @T.prim_func
     def kda_state_summary(
@@ -169,7 +170,14 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
             vn_f = T.alloc_fragment([C, BV], f32)
             # registers holding the next chunk's inputs while this chunk computes (prefetch)
             w_r = T.alloc_fragment([C, K], in_dtype)
-            k_r = T.alloc_fragment([K, C] if split_in else [C, K], in_dtype)
+            if split_in:
+                k_r = T.alloc_fragment([K, C], in_dtype)
+            else:
+                # Kd [C, K] goes to shared memory transposed (kh_s [K, C], K-major as the TF32 MMA
+                # reads it). Thread tx holds row i = tx % C, channels KPT * (tx // C) + [0, KPT): it
+                # loads them in 16-byte vectors, and the 32 lanes of a warp then store 32 consecutive
+                # i of one channel row: conflict-free (a fragment layout stored 16 rows per bank).
+                k_l = T.alloc_local([KPT], in_dtype)
             u_r = T.alloc_fragment([C, BV], f32)
             e_r = T.alloc_local([1], f32)
 
@@ -184,8 +192,9 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                 for d, i in T.Parallel(K, C):
                     k_r[d, i] = Kd[cf, ih, d, i]
             else:
-                for i, d in T.Parallel(C, K):
-                    k_r[i, d] = Kd[cf, ih, i, d]
+                for v8 in T.serial(KPT // 8):
+                    for r in T.vectorized(8):
+                        k_l[v8 * 8 + r] = Kd[cf, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
             for i, j in T.Parallel(C, BV):
                 u_r[i, j] = T.if_then_else(is_m, T.float32(0), T.cast(U[cf, ih, i, T.min(col0 + j, V - 1)], f32))
             if tx < K:
@@ -200,8 +209,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
             else:
                 for i, d in T.Parallel(C, K):
                     wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
-                for i, d in T.Parallel(C, K):
-                    kh_s[d, i] = T.cast(T.cast(k_r[i, d], f32), op)
+                for r in T.unroll(KPT):
+                    kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_l[r], f32), op)
             if tx < K:
                 ec_s[tx] = e_r[0]
 
@@ -214,8 +223,9 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                     for d, i in T.Parallel(K, C):
                         k_r[d, i] = Kd[cn, ih, d, i]
                 else:
-                    for i, d in T.Parallel(C, K):
-                        k_r[i, d] = Kd[cn, ih, i, d]
+                    for v8 in T.serial(KPT // 8):
+                        for r in T.vectorized(8):
+                            k_l[v8 * 8 + r] = Kd[cn, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
                 if tx < K:
                     e_r[0] = Ec[cn, ih, tx]
                 for d, j in T.Parallel(K, BV):
@@ -252,8 +262,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                 else:
                     for i, d in T.Parallel(C, K):
                         wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
-                    for i, d in T.Parallel(C, K):
-                        kh_s[d, i] = T.cast(T.cast(k_r[i, d], f32), op)
+                    for r in T.unroll(KPT):
+                        kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_l[r], f32), op)
                 if tx < K:
                     ec_s[tx] = e_r[0]
 
@@ -289,7 +299,8 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
     """
     if V % block_v or K % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; accum_dtype float32")
-    if threads < K:
-        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC)")
+    if threads < K or threads % chunk_size or (K * chunk_size // threads) % 8:
+        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC), a multiple "
+                         f"of chunk_size={chunk_size}, and leave a multiple of 8 key channels per thread")
     func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand, tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")
