@@ -8,7 +8,9 @@ Times (median over --repeats, CUDA events around each call, after warm-up):
   kda_cp   kda_cp.kernels.chunk_kda_fwd (no initial state, no final state, like the peer's default)
   fla      fla.ops.kda.chunk_kda(..., safe_gate=True, lower_bound=-5) on the same tensors (optional)
   torch    kda_cp.ops.chunk_kda(..., backend="torch") (optional; skipped if it fails)
-  summary  kda_cp.kernels.chunk_kda_summary (M, S~) alone
+  summary  kda_cp.kernels.chunk_kda_summary (M, S~) alone, from q/k/v/g/beta (fp32 chunk-local pass)
+  CP summary  kda_cp.kernels.chunk_kda_summary_prepared: what context parallelism adds to the
+           forward (the summary from the forward's chunk-local tensors, which it computes anyway)
 It also reports the relative RMS difference between kda_cp's and fla's outputs (a cross-check, not
 a test). Prints a markdown table and writes JSON to --out.
 """
@@ -88,7 +90,7 @@ def main():
                     help="print torch.profiler CUDA time per kernel (kda_cp fwd and summary, first shape)")
     args = ap.parse_args()
 
-    from kda_cp.kernels import chunk_kda_fwd, chunk_kda_summary
+    from kda_cp.kernels import chunk_kda_fwd, chunk_kda_fwd_prepare, chunk_kda_summary, chunk_kda_summary_prepared
 
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -120,6 +122,9 @@ def main():
             ours = lambda: chunk_kda_fwd(q, k, v, g, beta, scale=scale)  # noqa: E731
             row["kda_cp_ms"] = time_ms(ours, args.repeats)
             row["summary_ms"] = time_ms(lambda: chunk_kda_summary(k, v, g, beta), args.repeats)
+            prep = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale)
+            row["cp_summary_ms"] = time_ms(lambda: chunk_kda_summary_prepared(prep), args.repeats)
+            del prep
             if fla_chunk_kda is not None:
                 peer = lambda: fla_chunk_kda(q, k, v, g, beta, scale=scale, safe_gate=True,  # noqa: E731
                                              lower_bound=-5.0)
@@ -139,15 +144,17 @@ def main():
         torch.cuda.empty_cache()
 
     print(f"\nForward, bf16, gates bounded at -5, {dev}, median of {args.repeats}\n")
-    print("| shape | kda_cp ms | fla ms | fla / kda_cp | torch ms | summary ms | summary / fwd |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | kda_cp ms | fla ms | fla / kda_cp | torch ms | summary ms | summary / fwd | CP summary ms "
+          "| CP summary / fwd |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results["shapes"].items():
         shp = f"{name} B={r['B']} T={r['T']} H={r['H']} K=V={r['K']}"
         fla = f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-"
         ratio = f"{r['fla_ms'] / r['kda_cp_ms']:.2f}x" if "fla_ms" in r else "-"
         tch = f"{r['torch_ms']:.2f}" if "torch_ms" in r else "-"
         print(f"| {shp} | {r['kda_cp_ms']:.3f} | {fla} | {ratio} | {tch} | {r['summary_ms']:.3f} | "
-              f"{r['summary_ms'] / r['kda_cp_ms']:.2f} |")
+              f"{r['summary_ms'] / r['kda_cp_ms']:.2f} | {r['cp_summary_ms']:.3f} | "
+              f"{r['cp_summary_ms'] / r['kda_cp_ms']:.2f} |")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
