@@ -155,7 +155,8 @@ class Backend:
 
     def prepare(self, q, k, v, g, beta, opts: KDAOptions, cu_seqlens=None):
         """The state-independent half of ``fwd`` (gates, UT transform), or None where the backend
-        does not split. Context parallelism runs it while the ranks exchange their states."""
+        does not split. Context parallelism runs it once per shard and shares it between the
+        summary and the forward (``summary_prepared``, ``fwd``), or the state gradient and the backward."""
         return None
 
     def fwd(self, q, k, v, g, beta, h0, opts: KDAOptions, cu_seqlens=None, prepared=None):

@@ -232,8 +232,8 @@ def chunk_kda_torch_prepare(
     chunk_size: int = 64,
 ) -> list[_ChunkIntra]:
     """The state-independent half of :func:`chunk_kda_torch` (gates, decayed products, UT transform),
-    one entry per sequence (or one for a dense batch). Context parallelism runs it while the ranks
-    exchange their states, then passes it to :func:`chunk_kda_torch` as ``prepared``."""
+    one entry per sequence (or one for a dense batch). Context parallelism runs it once per shard and
+    passes it to :func:`chunk_kda_summary_torch_prepared` and :func:`chunk_kda_torch` as ``prepared``."""
     cdt = _compute_dtype(q.dtype)
     q_, k_, v_, g_, b_ = (x.to(cdt) for x in (q, k, v, g, beta))
     if cu_seqlens is None:

@@ -85,9 +85,10 @@ def check_cp(o, f, grads, fp64, unsharded=None, gates="mixed"):
 
     Against the unsharded kernels: with fast gates (the chain state is forgotten within a shard) the
     two run the same chunks and must agree to 1e-3 relative. With slow channels the state crosses
-    ranks through M in fp32 (3xTF32) where one GPU carries it through bf16-operand GEMMs, so the two
-    differ by about the single-device error itself (measured 1.1e-3 to 1.4e-3 on the H200); there
-    CP must be at least as accurate as one GPU: its error vs fp64 within 1e-3 of the unsharded one.
+    ranks through M (products at fp32 accuracy, of the forward's bf16-rounded factors) where one GPU
+    carries it through bf16-operand GEMMs, so the two differ by about the single-device error itself
+    (measured 1.1e-3 to 1.4e-3 on the H200); there CP must be at least as accurate as one GPU: its
+    error vs fp64 within 1e-3 of the unsharded one.
     """
     outs = [("o", o, fp64[0]), ("final", f, fp64[1])] + list(zip(NAMES, grads, fp64[2]))
     for name, x, r in outs:

@@ -33,6 +33,14 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht):
     assert "wgmma" in ker.get_kernel_source()
 
 
+@pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
+def test_cp_summary_kernel_compiles(K, dtype):
+    """The summary state pass on the forward's 16-bit W/Kd (what CP runs): TF32 MMAs only."""
+    src = build_summary_kernel(None, K, K, 64, dtype=dtype).get_kernel_source()
+    assert "kTensorFloat32" in src
+    assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
+
+
 @pytest.mark.parametrize("block_v", [64, 32])
 def test_summary_kernels_compile(block_v):
     K = 128

@@ -194,16 +194,19 @@ def test_summary_prepared_matches_fp64(dtype):
     are the forward's own, so the forward's tolerance for the final state applies (not the 1e-3 of
     the fp32 summary, which recomputes W and Kd in fp32)."""
     H, K = 3, 128
-    lens = [700, 45, 1333]  # not multiples of the chunk size
+    lens = [700, 0, 45, 1333]  # not multiples of the chunk size; an empty sequence is the identity map
     T = sum(lens)
     q, k, v, g, beta = make(1, T, H, K, K, dtype=dtype, gates="mixed", seed=41)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
     prep = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu)
     M, St = kernels.chunk_kda_summary_prepared(prep)
     Ml, Sl = kernels.chunk_kda_summary_prepared(prep, last_only=True)
-    assert M.shape == (3, H, K, K) and Ml.shape == (1, H, K, K)
+    assert M.shape == (4, H, K, K) and Ml.shape == (1, H, K, K)
     assert torch.equal(Ml, M[-1:]) and torch.equal(Sl, St[-1:])
+    assert torch.equal(M[1], torch.eye(K, device="cuda").expand(H, K, K)) and not St[1].any()
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
         M_ref, St_ref = _summary_oracle(*(x[:, a:b] for x in (k, v, g, beta)))
         check(f"M of sequence {i}", M_ref, M[i:i + 1], FWD_TOL)
         check(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], FWD_TOL)

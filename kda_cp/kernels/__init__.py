@@ -206,8 +206,8 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
                           g_min: float = -5.0) -> PreparedForward:
     """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: DESIGN.md §2):
     everything of the forward that does not depend on the incoming state. Context parallelism runs
-    it while the ranks exchange their (M, S~) pairs, then ``chunk_kda_fwd(..., prepared=...)`` runs
-    only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
+    it once per shard and derives the shard's (M, S~) from it (:func:`chunk_kda_summary_prepared`);
+    then ``chunk_kda_fwd(..., prepared=...)`` runs only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
     """
     B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     from .intra import build_intra_kernel
@@ -263,6 +263,8 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     """
     from .state import build_summary_kernel
 
+    if prepared.tensors is None:
+        raise ValueError("chunk_kda_summary_prepared: `prepared` was already consumed by chunk_kda_bwd")
     W, U, _, Kd, _, Ec, tables = prepared.tensors
     _, H, C, K = W.shape
     V = U.shape[-1]

@@ -14,7 +14,9 @@ already holds, so fusing saves writing and re-reading the per-chunk states and V
 Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
 independent, so each block owns block_v columns of either the S~ part or the M part. Every product
-there is a 3xTF32 GEMM on fp32 inputs from intra.build_intra_summary_kernel: M stays fp32-accurate.
+there carries fp32 accuracy on TF32 tensor cores: a 3xTF32 GEMM on the fp32 inputs of
+intra.build_intra_summary_kernel (chunk_kda_summary), or, on the forward's bf16/fp16 W and Kd (exact in
+TF32; chunk_kda_summary_prepared, what context parallelism uses), 2xTF32 with only the fp32 side split.
 
 Numerics: S is kept in fp32 across chunks; the GEMMs read a copy of S rounded to the input dtype
 (as the peers do) and accumulate in fp32. Rows past the sequence end are not written.
@@ -299,8 +301,11 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
     """
     if V % block_v or K % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; accum_dtype float32")
-    if threads < K or threads % chunk_size or (K * chunk_size // threads) % 8:
-        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC), a multiple "
-                         f"of chunk_size={chunk_size}, and leave a multiple of 8 key channels per thread")
+    if threads < K:
+        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC)")
+    if tl_dtype(dtype) != "float32" and ((K * chunk_size) % threads or (K * chunk_size // threads) % 8
+                                        or threads % chunk_size):
+        raise ValueError(f"16-bit inputs: threads={threads} must divide K * chunk_size = {K * chunk_size} into a "
+                         f"multiple of 8 key channels per thread, and be a multiple of chunk_size={chunk_size}")
     func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand, tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")

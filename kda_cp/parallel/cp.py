@@ -2,8 +2,7 @@
 
 Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
   0. the state-independent half of the local forward (gates, decayed products, UT transform:
-     ``Backend.prepare``), computed once and shared by steps 1 and 3 (and, in the backward, by the
-     state gradient and the local backward);
+     ``Backend.prepare``), computed once and shared by steps 1 and 3;
   1. summarize the shard's last segment from it: (M, S~) with S_out = M S_in + S~. When that
      segment starts a sequence inside the shard, the pair becomes the constant map (0, M h0 + S~).
      Two roles skip the summary (``_summary_role``): a shard with nothing flowing in (rank 0, or
@@ -18,6 +17,8 @@ Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
      of one (M, S) pair per rank costs;
   3. the ordinary chunk forward of the shard's segments from their true incoming states.
 Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the shard):
+  0. the chunk-local half recomputed once and shared by steps 1 and 3, where step 1 covers the
+     whole shard (``_backward_prepare``; the forward does not keep it, to hold no more memory);
   1. G_r = gradient of the shard's incoming state from its own outputs (and the final states
      of sequences that end inside it), with no gradient at the shard's end;
   2. exchange (M^T, G): D_r is the reverse exclusive scan of x -> M_j^T x + G_j over j > r,
@@ -80,13 +81,6 @@ class _Plan:
     @property
     def first_continues(self) -> bool:
         return self.rank > 0 if self.segs is None else self.segs.first_continues
-
-
-def _slice_last(x, plan):
-    if plan.segs is None:
-        return x
-    a, b = plan.segs.cu_seqlens[-2], plan.segs.cu_seqlens[-1]
-    return x[:, a:b]
 
 
 def _local_h0(h0_global, s_in, plan):
@@ -539,9 +533,9 @@ def cp_chunk_kda_in_one_process(
             pairs.append(_shard_pair(impl, opts, plans[r], preps[r], h0))
     prefix = scan.exclusive_scan(scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs])),
                                  scan_method)
-    outs = [outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r], preps[r])
-            for r in range(world_size)]
-    del preps
+    for r in range(world_size):  # every shard's prepared tensors are alive here, as on P ranks
+        outs[r] = outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r], preps[r])
+        preps[r] = None
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
