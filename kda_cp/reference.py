@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from kda_cp.scan import ieee_fp32
+
 __all__ = ["naive_recurrent_kda", "chunk_kda_torch", "chunk_kda_torch_prepare", "chunk_kda_summary_torch",
            "chunk_kda_summary_torch_prepared", "SUB_CHUNK"]
 
@@ -293,6 +295,7 @@ def chunk_kda_torch(
     return o.to(q.dtype), (ht if output_final_state else None)
 
 
+@ieee_fp32
 def chunk_kda_summary_torch(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -323,6 +326,7 @@ def chunk_kda_summary_torch(
     return s_aug[..., V:], s_aug[..., :V]
 
 
+@ieee_fp32
 def chunk_kda_summary_torch_prepared(prepared: list[_ChunkIntra], last_only: bool = False):
     """:func:`chunk_kda_summary_torch` from a :func:`chunk_kda_torch_prepare` result, without
     recomputing the chunk-local half: the state pass from [0 | I] with pseudo-values [U | 0].

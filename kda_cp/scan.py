@@ -15,11 +15,15 @@ end state is the reverse exclusive scan of the transposed maps x -> M_j^T x + G_
 Pairs of all ranks are stacked on dim 0 ([P, ...]). Pure math: no process groups here. Two
 schedules compute the same scans: ``"sequential"`` (P - 1 steps) and ``"log_depth"``
 (a shift, then Hillis-Steele: ceil(log2(P - 1)) steps of batched products). Matrix products run in the tensors'
-dtype; keep M in fp32 or fp64 (never bf16/TF32: the error would grow with the chain length).
+dtype; keep M in fp32 or fp64 (never bf16/TF32: the error would grow with the chain length). Every
+product here runs in IEEE fp32 even when the caller allowed TF32 for fp32 matmuls
+(``torch.set_float32_matmul_precision("high")``, common in training scripts): see ``ieee_fp32``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Literal, NamedTuple
 
 import torch
@@ -33,9 +37,36 @@ __all__ = [
     "reverse_transposed_exclusive_scan",
     "total",
     "ScanMethod",
+    "ieee_fp32_matmul",
 ]
 
 ScanMethod = Literal["sequential", "log_depth"]
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmul():
+    """Within the block, fp32 matmuls are IEEE fp32 (precision "highest"), never TF32 or bf16x3;
+    the caller's setting is restored on exit. Products of transitions M must keep fp32 accuracy."""
+    prev = torch.get_float32_matmul_precision()
+    if prev == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def ieee_fp32(fn):
+    """Decorator: run ``fn`` under :func:`ieee_fp32_matmul`."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with ieee_fp32_matmul():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 class AffineMap(NamedTuple):
@@ -45,11 +76,13 @@ class AffineMap(NamedTuple):
     S: torch.Tensor
 
 
+@ieee_fp32
 def compose(second: AffineMap, first: AffineMap) -> AffineMap:
     """The map "apply ``first``, then ``second``": (M2 M1, M2 S1 + S2)."""
     return AffineMap(second.M @ first.M, second.M @ first.S + second.S)
 
 
+@ieee_fp32
 def apply(f: AffineMap, x: torch.Tensor) -> torch.Tensor:
     """f(x) = M @ x + S."""
     return f.M @ x + f.S
@@ -70,6 +103,7 @@ def _check_stack(maps: AffineMap) -> None:
         raise ValueError(f"S must be [P, ..., K, V] matching M {tuple(M.shape)}, got {tuple(S.shape)}")
 
 
+@ieee_fp32
 def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
     """Exclusive prefix compositions of a stack of maps.
 
@@ -112,12 +146,14 @@ def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineM
     raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
 
 
+@ieee_fp32
 def total(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
     """maps[P-1] o ... o maps[0]: the map of the whole sequence."""
     prefix = exclusive_scan(maps, method)
     return compose(AffineMap(maps.M[-1], maps.S[-1]), AffineMap(prefix.M[-1], prefix.S[-1]))
 
 
+@ieee_fp32
 def reverse_transposed_exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
     """Suffix compositions of the transposed maps x -> M_j^T x + G_j, for the CP backward.
 

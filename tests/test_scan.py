@@ -55,3 +55,32 @@ def test_bad_stack_and_method():
         scan.exclusive_scan(scan.AffineMap(torch.randn(3, 4, 5), torch.randn(3, 4, 2)))
     with pytest.raises(ValueError, match="method"):
         scan.exclusive_scan(rand_maps(2), "bogus")
+
+
+def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):
+    """Training scripts often call torch.set_float32_matmul_precision("high") (TF32 on CUDA); the
+    scans must still multiply transitions in IEEE fp32, and leave the caller's setting as it was."""
+    seen = []
+    matmul = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        seen.append(torch.get_float32_matmul_precision())
+        return matmul(a, b)
+
+    P, K, V = 5, 4, 3
+    maps = scan.AffineMap(torch.randn(P, 2, K, K), torch.randn(P, 2, K, V))
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+        for method in ("sequential", "log_depth"):
+            scan.exclusive_scan(maps, method)
+            scan.reverse_transposed_exclusive_scan(maps, method)
+            scan.total(maps, method)
+        f = scan.AffineMap(maps.M[0], maps.S[0])
+        scan.apply(scan.compose(f, f), maps.S[1])
+        assert torch.get_float32_matmul_precision() == "high", "the caller's precision was not restored"
+    finally:
+        monkeypatch.undo()
+        torch.set_float32_matmul_precision(prev)
+    assert seen and set(seen) == {"highest"}, f"products ran at {sorted(set(seen))}"

@@ -134,7 +134,7 @@ def _shard_pair(backend, opts, plan, prepared, h0) -> scan.AffineMap:
     if plan.chained:
         return scan.AffineMap(M, St.to(sdt))
     h0_last = h0 if plan.segs is None else h0[plan.segs.seq_ids[-1]][None]
-    return scan.AffineMap(torch.zeros_like(M), M @ h0_last.to(sdt) + St.to(sdt))
+    return scan.AffineMap(torch.zeros_like(M), scan.apply(scan.AffineMap(M, St.to(sdt)), h0_last.to(sdt)))
 
 
 def _summary_role(plan, opts) -> str:
