@@ -139,6 +139,35 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     kd_shape = [NC, Hn, K, C] if split_in else [NC, Hn, C, K]
     KPT = K * C // threads  # 16-bit Kd: key channels per thread
 
+    @T.macro
+    def load_w_kd(W, Kd, w_r, k_x, ci, ih, tx):
+        """W and Kd of chunk ci into registers (the next chunk's, while this one computes)."""
+        for i, d in T.Parallel(C, K):
+            w_r[i, d] = W[ci, ih, i, d]
+        if split_in:
+            for d, i in T.Parallel(K, C):
+                k_x[d, i] = Kd[ci, ih, d, i]
+        else:
+            for v8 in T.serial(KPT // 8):
+                for r in T.vectorized(8):
+                    k_x[v8 * 8 + r] = Kd[ci, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
+
+    @T.macro
+    def stage_w_kd(w_r, k_x, wh_s, wl_s, kh_s, kl_s, tx):
+        """Registers -> the TF32 operands in shared memory (split into head and tail for fp32 inputs)."""
+        if split_in:
+            for i, d in T.Parallel(C, K):
+                wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
+                wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
+            for d, i in T.Parallel(K, C):
+                kh_s[d, i] = T.cast(tf32_hi(k_x[d, i]), op)
+                kl_s[d, i] = T.cast(k_x[d, i] - tf32_hi(k_x[d, i]), op)
+        else:
+            for i, d in T.Parallel(C, K):
+                wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
+            for r in T.unroll(KPT):
+                kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_x[r], f32), op)
+
     @T.prim_func
     def kda_state_summary(
         W: T.Tensor([NC, Hn, C, K], in_dtype),
@@ -188,46 +217,28 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
 
             # prologue: chunk 0 (an empty sequence, nc = 0, reads a valid chunk and keeps [0 | I])
             cf = T.min(c0, NC - 1)
-            for i, d in T.Parallel(C, K):
-                w_r[i, d] = W[cf, ih, i, d]
             if split_in:
-                for d, i in T.Parallel(K, C):
-                    k_r[d, i] = Kd[cf, ih, d, i]
+                load_w_kd(W, Kd, w_r, k_r, cf, ih, tx)
             else:
-                for v8 in T.serial(KPT // 8):
-                    for r in T.vectorized(8):
-                        k_l[v8 * 8 + r] = Kd[cf, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
+                load_w_kd(W, Kd, w_r, k_l, cf, ih, tx)
             for i, j in T.Parallel(C, BV):
                 u_r[i, j] = T.if_then_else(is_m, T.float32(0), T.cast(U[cf, ih, i, T.min(col0 + j, V - 1)], f32))
             if tx < K:
                 e_r[0] = Ec[cf, ih, tx]
             if split_in:
-                for i, d in T.Parallel(C, K):
-                    wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
-                    wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
-                for d, i in T.Parallel(K, C):
-                    kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
-                    kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
-            else:
-                for i, d in T.Parallel(C, K):
-                    wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
-                for r in T.unroll(KPT):
-                    kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_l[r], f32), op)
+                stage_w_kd(w_r, k_r, wh_s, wl_s, kh_s, kl_s, tx)
+            else:  # no tails: the 16-bit W and Kd are exact in TF32
+                stage_w_kd(w_r, k_l, wh_s, wh_s, kh_s, kh_s, tx)
             if tx < K:
                 ec_s[tx] = e_r[0]
 
             for c in T.serial(nc):
                 cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
                 # issue the next chunk's W, Kd, eC loads; they land during this chunk's GEMMs
-                for i, d in T.Parallel(C, K):
-                    w_r[i, d] = W[cn, ih, i, d]
                 if split_in:
-                    for d, i in T.Parallel(K, C):
-                        k_r[d, i] = Kd[cn, ih, d, i]
+                    load_w_kd(W, Kd, w_r, k_r, cn, ih, tx)
                 else:
-                    for v8 in T.serial(KPT // 8):
-                        for r in T.vectorized(8):
-                            k_l[v8 * 8 + r] = Kd[cn, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
+                    load_w_kd(W, Kd, w_r, k_l, cn, ih, tx)
                 if tx < K:
                     e_r[0] = Ec[cn, ih, tx]
                 for d, j in T.Parallel(K, BV):
@@ -255,17 +266,9 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                     T.gemm(kl_s, vh_s, S_f, transpose_B=True)
                 # the next chunk's operands, split, into shared memory
                 if split_in:
-                    for i, d in T.Parallel(C, K):
-                        wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
-                        wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
-                    for d, i in T.Parallel(K, C):
-                        kh_s[d, i] = T.cast(tf32_hi(k_r[d, i]), op)
-                        kl_s[d, i] = T.cast(k_r[d, i] - tf32_hi(k_r[d, i]), op)
-                else:
-                    for i, d in T.Parallel(C, K):
-                        wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
-                    for r in T.unroll(KPT):
-                        kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_l[r], f32), op)
+                    stage_w_kd(w_r, k_r, wh_s, wl_s, kh_s, kl_s, tx)
+                else:  # no tails: the 16-bit W and Kd are exact in TF32
+                    stage_w_kd(w_r, k_l, wh_s, wh_s, kh_s, kh_s, tx)
                 if tx < K:
                     ec_s[tx] = e_r[0]
 
