@@ -4,9 +4,9 @@
 #
 #   OUT=results bash scripts/gpu_pass.sh [tests|bench|fla|all ...]   (default: tests bench)
 #
-# "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py and
-# bench_kernels.py / bench_backward.py without the peer; "fla": bench_backward.py with fla-core at S1
-# (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
+# "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py;
+# "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
+# "fla": bench_backward.py with fla-core at S1 (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log.
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
@@ -28,6 +28,10 @@ for step in $STEPS; do
     bench)
       run bench_cp ${BENCH_LIMIT:-600} python scripts/bench_cp.py --t-local 8192 32768 131072 --repeats 10 --out "$OUT/bench_cp.json"
       grep "^| " "$OUT/bench_cp.log" | head -5 | tee -a "$OUT/summary.log" ;;
+    kernels)
+      run bench_kernels ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --shapes S1 S2 S3 --repeats 10 --no-torch \
+        --out "$OUT/bench_kernels.json"
+      grep "^| " "$OUT/bench_kernels.log" | tee -a "$OUT/summary.log" ;;
     fla)
       run bench_backward 600 python scripts/bench_backward.py --shapes S1 --repeats 5 --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;

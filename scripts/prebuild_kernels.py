@@ -34,9 +34,7 @@ def main():
                 None, K, K, C, dt, with_h0=h0, store_ht=ht)) for h0 in (True, False) for ht in (True, False)},
             "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
             "summary state": lambda: build_summary_kernel(None, K, K, C),
-            "summary state, 32 columns": lambda: build_summary_kernel(None, K, K, C, block_v=32),
-            **{f"CP summary state from prepared, {bv} columns": (lambda bv=bv: build_summary_kernel(
-                None, K, K, C, dtype=dt, block_v=bv)) for bv in (64, 32)},
+            "CP summary state from prepared": lambda: build_summary_kernel(None, K, K, C, dtype=dt),
         }
         if not args.no_backward:
             builds.update({

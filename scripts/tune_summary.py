@@ -1,58 +1,56 @@
-"""Sweep the launch knobs of the CP summary state kernel (from the forward's prepared tensors).
+"""Sweep the number of pieces of the CP summary (from the forward's prepared tensors).
 
-Times kda_cp.kernels.state.build_summary_kernel(dtype=bf16, operand, block_v, threads) at one shape
-(median of repeats, CUDA events) and checks each variant's [S~ | M] against the first one's. Prints a
-table, writes JSON. Measured on an H200 at T=32768, H=32 (2026-11-29, after the conflict-free Kd
-store): (tfloat32, block_v 64, 256 threads) 3.87 ms, (32, 128) 4.56, (32, 256) 5.29, (64, 128) 5.21,
-all bitwise equal; mma.sync TF32 (operand "float32", 64, 256) 4.27 ms.
+Times kda_cp.kernels._summary_run (the summary state kernel over each sequence cut into `pieces`
+parts, plus their composition) at the benchmark shapes S1 (T=32768, H=32) and S3 (T=131072,
+H=16), bf16, median of repeats with CUDA events, and checks each result against the first one's.
+Prints a table, writes JSON. With --only P it runs pieces=P once per shape (for ncu). Measured on
+an H200 (2026-11-29): S1 2.53 / 2.71 / 2.62 ms for 1 / 2 / 4 pieces, S3 10.12 / 5.25 / 5.28 ms.
 
-    python scripts/tune_summary.py --out tune_summary.json [--T 32768 --H 32 --K 128]
+    python scripts/tune_summary.py --out tune_summary.json [--shapes S1 S3] [--only 2]
 """
 import argparse
 import json
 
 import torch
-from _bench import time_ms
+from _bench import SHAPES, make_inputs, time_ms
 
-from kda_cp.kernels import _tl_name, chunk_kda_fwd_prepare
-from kda_cp.kernels.state import build_summary_kernel
+from kda_cp.kernels import _summary_pieces, _summary_run, chunk_kda_fwd_prepare
 
-# (operand, block_v, threads, num_stages)
-VARIANTS = [("custom[tfloat32]", 64, 256, 1), ("custom[tfloat32]", 32, 128, 1), ("custom[tfloat32]", 32, 256, 1),
-            ("custom[tfloat32]", 64, 128, 1), ("float32", 64, 256, 1)]
+PIECES = [1, 2, 4]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--H", type=int, default=32)
-    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--shapes", nargs="+", default=["S1", "S3"])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--only", type=int, default=None)
     ap.add_argument("--out", default="tune_summary.json")
     a = ap.parse_args()
-    T, H, K = a.T, a.H, a.K
-    dev = "cuda"
-    q = torch.randn(1, T, H, K, device=dev).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
-    v = torch.randn(1, T, H, K, device=dev).bfloat16()
-    g = -5 * torch.sigmoid(torch.randn(1, T, H, K, device=dev) + torch.linspace(-8, 3, K, device=dev))
-    beta = torch.rand(1, T, H, device=dev)
-    W, U, _, Kd, _, Ec, tables = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5).tensors
-    rows, ref = [], None
-    print(f"| operand | block_v | threads | stages | ms | rel diff vs {VARIANTS[0]} |\n|---|---|---|---|---|---|")
-    for op, bv, th, ns in VARIANTS:
-        ker = build_summary_kernel(None, K, K, 64, dtype=_tl_name(W.dtype), operand=op, block_v=bv, threads=th,
-                                   num_stages=ns)
-        SM = torch.empty(1, H, K, 2 * K, device=dev)
-        run = lambda: ker(W, U, Kd, Ec, tables.seq_table, SM)  # noqa: E731
-        ms = time_ms(run, a.repeats)
-        run()
-        ref = SM.clone() if ref is None else ref
-        diff = ((SM - ref).norm() / ref.norm()).item()
-        rows.append(dict(operand=op, block_v=bv, threads=th, num_stages=ns, ms=ms, rel_diff=diff))
-        print(f"| {op} | {bv} | {th} | {ns} | {ms:.3f} | {diff:.1e} |", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(dict(T=T, H=H, K=K, device=torch.cuda.get_device_name(), rows=rows), f, indent=2)
+    rows = []
+    for name in a.shapes:
+        sh = SHAPES[name]
+        q, k, v, g, beta = make_inputs(**sh)
+        prep = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=sh["K"] ** -0.5)
+        W, U, _, Kd, _, Ec, tables = prep.tensors
+        run = lambda p: _summary_run(W, U, Kd, Ec, tables.seq_table, tables.num_chunks, p)  # noqa: E731
+        if a.only is not None:
+            run(a.only)
+            torch.cuda.synchronize()
+            continue
+        auto = _summary_pieces(W.device, 1, sh["H"], sh["K"], sh["V"], tables.num_chunks)
+        print(f"\n{name} {sh} (default pieces: {auto})\n| pieces | ms | rel diff of [M, S~] vs 1 piece |\n|---|---|---|")
+        ref = None
+        for p in PIECES:
+            ms = time_ms(lambda: run(p), a.repeats)
+            M, S = run(p)
+            out = torch.cat([M, S], -1)
+            ref = out if ref is None else ref
+            diff = ((out - ref).norm() / ref.norm()).item()
+            rows.append(dict(shape=name, pieces=p, default=p == auto, ms=ms, rel_diff=diff))
+            print(f"| {p} | {ms:.3f} | {diff:.1e} |", flush=True)
+    if a.only is None:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,10 @@ def test_cp_summary_kernel_compiles(K, dtype):
     assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
 
 
-@pytest.mark.parametrize("block_v", [64, 32])
-def test_summary_kernels_compile(block_v):
-    K = 128
+@pytest.mark.parametrize("K", [128, 64])
+def test_summary_kernels_compile(K):
     isrc = build_intra_summary_kernel(None, K, K, 64, "bfloat16").get_kernel_source()
-    src = build_summary_kernel(None, K, K, 64, block_v=block_v).get_kernel_source()
+    src = build_summary_kernel(None, K, K, 64).get_kernel_source()
     for s in (isrc, src):  # M must never pass through a 16-bit or plain single-pass GEMM
         assert "kTensorFloat32" in s
         assert "kBFloat16, tl::DataType::kBFloat16" not in s and "kFloat16, tl::DataType::kFloat16" not in s

@@ -145,31 +145,6 @@ def test_summary_matches_fp64(B, T, H, K):
     check("S_tilde", St_ref, St, SUMMARY_TOL)
 
 
-SUMMARY_STATE_VARIANTS = [dict(), dict(operand="float32"), dict(block_v=32)]
-
-
-@pytest.mark.parametrize("skw", SUMMARY_STATE_VARIANTS, ids=[str(s) for s in SUMMARY_STATE_VARIANTS])
-def test_summary_state_kernel_variants_match_fp64(skw):
-    """Every tuning knob of the summary state kernel keeps M and S~ within the summary tolerance."""
-    from kda_cp.kernels import _kernel_inputs
-    from kda_cp.kernels._common import build_chunk_tables
-    from kda_cp.kernels.intra import build_intra_summary_kernel
-    from kda_cp.kernels.state import build_summary_kernel
-
-    B, T, H, K, C = 2, 700, 3, 128, 64
-    _, k, v, g, beta = make(B, T, H, K, K, gates="mixed", seed=29)
-    tab = build_chunk_tables(B, T, None, C, k.device)
-    NC = tab.num_chunks
-    e = lambda *s: torch.empty(*s, device="cuda", dtype=torch.float32)  # noqa: E731
-    W, U, KdT, Ec, SM = e(NC, H, C, K), e(NC, H, C, K), e(NC, H, K, C), e(NC, H, K), e(B, H, K, 2 * K)
-    _, kf, vf, gf, bf = _kernel_inputs(k, k, v, g, beta)
-    build_intra_summary_kernel(None, K, K, C, "bfloat16")(kf, vf, gf, bf, tab.chunk_table, W, U, KdT, Ec)
-    build_summary_kernel(None, K, K, C, **skw)(W, U, KdT, Ec, tab.seq_table, SM)
-    M_ref, St_ref = _summary_oracle(k, v, g, beta)
-    check("M", M_ref, SM[..., K:], SUMMARY_TOL)
-    check("S_tilde", St_ref, SM[..., :K], SUMMARY_TOL)
-
-
 def test_summary_composes_to_final_state():
     """(M2, S2) o (M1, S1) applied to h0 equals the whole sequence's final state."""
     B, T, H, K = 1, 1100, 4, 128
@@ -210,6 +185,45 @@ def test_summary_prepared_matches_fp64(dtype):
         M_ref, St_ref = _summary_oracle(*(x[:, a:b] for x in (k, v, g, beta)))
         check(f"M of sequence {i}", M_ref, M[i:i + 1], FWD_TOL)
         check(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], FWD_TOL)
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 5])
+@pytest.mark.parametrize("inputs", ["bf16 prepared", "fp16 prepared", "fp32"])
+def test_summary_pieces_match_fp64(pieces, inputs):
+    """The summary state kernel with each sequence cut into pieces summarised in parallel and
+    composed (pieces longer than, equal to and shorter than a sequence's chunk count; empty pieces)
+    gives each packed sequence's (M, S~) within tolerance of fp64: from the forward's prepared
+    tensors (the forward's tolerance: its factors are rounded to the input dtype), and from the
+    fp32 summary intra kernel (3xTF32 everywhere: the summary tolerance)."""
+    from kda_cp.kernels import _kernel_inputs, _summary_run
+    from kda_cp.kernels._common import build_chunk_tables
+    from kda_cp.kernels.intra import build_intra_summary_kernel
+
+    H, K, C = 3, 128, 64
+    lens = [45, 1333, 0, 130, 700]
+    T = sum(lens)
+    dtype = torch.float16 if inputs.startswith("fp16") else torch.bfloat16
+    q, k, v, g, beta = make(1, T, H, K, K, dtype=dtype, gates="mixed", seed=47 + pieces)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    if inputs == "fp32":
+        tab = build_chunk_tables(1, T, cu, C, k.device)
+        NC = tab.num_chunks
+        e = lambda *s: torch.empty(*s, device="cuda", dtype=torch.float32)  # noqa: E731
+        W, U, Kd, Ec = e(NC, H, C, K), e(NC, H, C, K), e(NC, H, K, C), e(NC, H, K)
+        _, kf, vf, gf, bf = _kernel_inputs(k, k, v, g, beta)
+        build_intra_summary_kernel(None, K, K, C, "bfloat16")(kf, vf, gf, bf, tab.chunk_table, W, U, Kd, Ec)
+        tol = SUMMARY_TOL
+    else:
+        W, U, _, Kd, _, Ec, tab = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu).tensors
+        tol = FWD_TOL
+    M, St = _summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
+    assert torch.equal(M[2], torch.eye(K, device="cuda").expand(H, K, K)) and not St[2].any()
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
+        M_ref, St_ref = _summary_oracle(*(x[:, a:b] for x in (k, v, g, beta)))
+        check(f"M of sequence {i}", M_ref, M[i:i + 1], tol)
+        check(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], tol)
 
 
 def test_summary_prepared_composes_to_final_state():

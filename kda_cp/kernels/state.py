@@ -132,6 +132,7 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     Hn = T.dynamic("H") if H is None else H
     BV = block_v
     VA = V + K
+    NB = VA // BV  # column blocks per (sequence, head)
     # fp32 inputs (the summary intra kernel): W and Kd^T are split too (3xTF32). 16-bit inputs (the
     # forward's chunk-local tensors): W and Kd are exact in TF32, so only the fp32 side (the state,
     # V') is split and each product takes two TF32 GEMMs instead of three.
@@ -139,11 +140,17 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     kd_shape = [NC, Hn, K, C] if split_in else [NC, Hn, C, K]
     KPT = K * C // threads  # 16-bit Kd: key channels per thread
 
+    def tf32(x):
+        """An fp32 value as a TF32 operand: a bit-cast (the tensor cores read the top 19 bits)."""
+        return T.reinterpret(x, op)
+
     @T.macro
-    def load_w_kd(W, Kd, w_r, k_x, ci, ih, tx):
-        """W and Kd of chunk ci into registers (the next chunk's, while this one computes)."""
+    def load_w(W, w_r, ci, ih):
         for i, d in T.Parallel(C, K):
             w_r[i, d] = W[ci, ih, i, d]
+
+    @T.macro
+    def load_kd(Kd, k_x, ci, ih, tx):
         if split_in:
             for d, i in T.Parallel(K, C):
                 k_x[d, i] = Kd[ci, ih, d, i]
@@ -153,20 +160,24 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                     k_x[v8 * 8 + r] = Kd[ci, ih, tx % C, (tx // C) * KPT + v8 * 8 + r]
 
     @T.macro
-    def stage_w_kd(w_r, k_x, wh_s, wl_s, kh_s, kl_s, tx):
-        """Registers -> the TF32 operands in shared memory (split into head and tail for fp32 inputs)."""
+    def stage_w(w_r, wh_s, wl_s):
         if split_in:
             for i, d in T.Parallel(C, K):
-                wh_s[i, d] = T.cast(tf32_hi(w_r[i, d]), op)
-                wl_s[i, d] = T.cast(w_r[i, d] - tf32_hi(w_r[i, d]), op)
-            for d, i in T.Parallel(K, C):
-                kh_s[d, i] = T.cast(tf32_hi(k_x[d, i]), op)
-                kl_s[d, i] = T.cast(k_x[d, i] - tf32_hi(k_x[d, i]), op)
+                wh_s[i, d] = tf32(tf32_hi(w_r[i, d]))
+                wl_s[i, d] = tf32(w_r[i, d] - tf32_hi(w_r[i, d]))
         else:
             for i, d in T.Parallel(C, K):
-                wh_s[i, d] = T.cast(T.cast(w_r[i, d], f32), op)
+                wh_s[i, d] = tf32(T.cast(w_r[i, d], f32))
+
+    @T.macro
+    def stage_kd(k_x, kh_s, kl_s, tx):
+        if split_in:
+            for d, i in T.Parallel(K, C):
+                kh_s[d, i] = tf32(tf32_hi(k_x[d, i]))
+                kl_s[d, i] = tf32(k_x[d, i] - tf32_hi(k_x[d, i]))
+        else:
             for r in T.unroll(KPT):
-                kh_s[(tx // C) * KPT + r, tx % C] = T.cast(T.cast(k_x[r], f32), op)
+                kh_s[(tx // C) * KPT + r, tx % C] = tf32(T.cast(k_x[r], f32))
 
     @T.prim_func
     def kda_state_summary(
@@ -177,135 +188,135 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
         Seq: T.Tensor([N, 4], "int32"),
         SM: T.Tensor([N, Hn, K, VA], f32),
     ):
-        with T.Kernel(VA // BV, N * Hn, threads=threads) as (iv, inh):
-            n = inh // Hn
-            ih = inh % Hn
+        with T.Kernel(NB * N, Hn, threads=threads) as (bx, ih):
+            n = bx // NB
+            col0 = (bx % NB) * BV  # first augmented column of this block
             c0 = Seq[n, 0]
             nc = Seq[n, 1]
-            col0 = iv * BV  # first augmented column of this block
             is_m = col0 >= V  # this block carries columns of M (else of S~)
+            ucol = T.min(col0, V - BV)  # U columns read (an M block reads valid ones and zeroes them)
             tx = T.get_thread_binding()
 
-            # TF32 heads/tails of the operands (K-major, as the tensor cores read them)
-            wh_s = T.alloc_shared([C, K], op)
-            kh_s = T.alloc_shared([K, C], op)
+            wh_s = T.alloc_shared([C, K], op)  # W (K-major)
+            kh_s = T.alloc_shared([K, C], op)  # Kd^T (C-major)
             if split_in:
                 wl_s = T.alloc_shared([C, K], op)
                 kl_s = T.alloc_shared([K, C], op)
-            sh_s = T.alloc_shared([BV, K], op)  # S^T split
+            else:  # no tails: the 16-bit W and Kd are exact in TF32
+                wl_s = wh_s
+                kl_s = kh_s
+            sh_s = T.alloc_shared([BV, K], op)  # S^T head and tail
             sl_s = T.alloc_shared([BV, K], op)
-            vh_s = T.alloc_shared([BV, C], op)  # V'^T split
+            vh_s = T.alloc_shared([BV, C], op)  # V'^T head and tail
             vl_s = T.alloc_shared([BV, C], op)
             ec_s = T.alloc_shared([K], f32)
-            S_f = T.alloc_fragment([K, BV], f32)
-            vn_f = T.alloc_fragment([C, BV], f32)
-            # registers holding the next chunk's inputs while this chunk computes (prefetch)
+            S_f = T.alloc_fragment([BV, K], f32)  # S^T
+            vn_f = T.alloc_fragment([BV, C], f32)  # V'^T
             w_r = T.alloc_fragment([C, K], in_dtype)
             if split_in:
-                k_r = T.alloc_fragment([K, C], in_dtype)
+                k_x = T.alloc_fragment([K, C], in_dtype)
             else:
-                # Kd [C, K] goes to shared memory transposed (kh_s [K, C], K-major as the TF32 MMA
-                # reads it). Thread tx holds row i = tx % C, channels KPT * (tx // C) + [0, KPT): it
-                # loads them in 16-byte vectors, and the 32 lanes of a warp then store 32 consecutive
-                # i of one channel row: conflict-free (a fragment layout stored 16 rows per bank).
-                k_l = T.alloc_local([KPT], in_dtype)
-            u_r = T.alloc_fragment([C, BV], f32)
+                # Kd [C, K] goes to shared memory transposed: thread tx holds row i = tx % C,
+                # channels KPT * (tx // C) + [0, KPT) (16-byte loads); a warp then stores 32
+                # consecutive i of one channel row: conflict-free.
+                k_x = T.alloc_local([KPT], in_dtype)
+            u_r = T.alloc_fragment([BV, C], f32)
             e_r = T.alloc_local([1], f32)
 
-            for d, j in T.Parallel(K, BV):
-                S_f[d, j] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
+            for j, d in T.Parallel(BV, K):
+                S_f[j, d] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
 
             # prologue: chunk 0 (an empty sequence, nc = 0, reads a valid chunk and keeps [0 | I])
             cf = T.min(c0, NC - 1)
-            if split_in:
-                load_w_kd(W, Kd, w_r, k_r, cf, ih, tx)
-            else:
-                load_w_kd(W, Kd, w_r, k_l, cf, ih, tx)
-            for i, j in T.Parallel(C, BV):
-                u_r[i, j] = T.if_then_else(is_m, T.float32(0), T.cast(U[cf, ih, i, T.min(col0 + j, V - 1)], f32))
+            load_w(W, w_r, cf, ih)
+            load_kd(Kd, k_x, cf, ih, tx)
+            for j, i in T.Parallel(BV, C):
+                u_r[j, i] = T.if_then_else(is_m, T.float32(0), T.cast(U[cf, ih, i, ucol + j], f32))
             if tx < K:
                 e_r[0] = Ec[cf, ih, tx]
-            if split_in:
-                stage_w_kd(w_r, k_r, wh_s, wl_s, kh_s, kl_s, tx)
-            else:  # no tails: the 16-bit W and Kd are exact in TF32
-                stage_w_kd(w_r, k_l, wh_s, wh_s, kh_s, kh_s, tx)
-            if tx < K:
-                ec_s[tx] = e_r[0]
+            stage_w(w_r, wh_s, wl_s)
 
             for c in T.serial(nc):
                 cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
-                # issue the next chunk's W, Kd, eC loads; they land during this chunk's GEMMs
+                for j, d in T.Parallel(BV, K):
+                    sh_s[j, d] = tf32(tf32_hi(S_f[j, d]))
+                    sl_s[j, d] = tf32(S_f[j, d] - tf32_hi(S_f[j, d]))
+                # V'^T = U^T - S^T W^T, asynchronous; meanwhile this chunk's Kd^T and eC go to
+                # shared memory (these MMAs read W and S only) and the next chunk's loads issue
+                T.wgmma_gemm(sh_s, wh_s, vn_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(sl_s, wh_s, vn_f, transpose_B=True)
                 if split_in:
-                    load_w_kd(W, Kd, w_r, k_r, cn, ih, tx)
-                else:
-                    load_w_kd(W, Kd, w_r, k_l, cn, ih, tx)
-                if tx < K:
-                    e_r[0] = Ec[cn, ih, tx]
-                for d, j in T.Parallel(K, BV):
-                    sh_s[j, d] = T.cast(tf32_hi(S_f[d, j]), op)
-                    sl_s[j, d] = T.cast(S_f[d, j] - tf32_hi(S_f[d, j]), op)
-                # V' = U - W S
-                T.gemm(wh_s, sh_s, vn_f, transpose_B=True, clear_accum=True)
-                T.gemm(wh_s, sl_s, vn_f, transpose_B=True)
-                if split_in:
-                    T.gemm(wl_s, sh_s, vn_f, transpose_B=True)
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = u_r[i, j] - vn_f[i, j]
-                for i, j in T.Parallel(C, BV):
-                    u_r[i, j] = T.if_then_else(is_m, T.float32(0),
-                                               T.cast(U[cn, ih, i, T.min(col0 + j, V - 1)], f32))
-                for i, j in T.Parallel(C, BV):
-                    vh_s[j, i] = T.cast(tf32_hi(vn_f[i, j]), op)
-                    vl_s[j, i] = T.cast(vn_f[i, j] - tf32_hi(vn_f[i, j]), op)
-                # S <- Diag(eC) S + Kd^T V'
-                for d, j in T.Parallel(K, BV):
-                    S_f[d, j] = S_f[d, j] * ec_s[d]
-                T.gemm(kh_s, vh_s, S_f, transpose_B=True)
-                T.gemm(kh_s, vl_s, S_f, transpose_B=True)
-                if split_in:
-                    T.gemm(kl_s, vh_s, S_f, transpose_B=True)
-                # the next chunk's operands, split, into shared memory
-                if split_in:
-                    stage_w_kd(w_r, k_r, wh_s, wl_s, kh_s, kl_s, tx)
-                else:  # no tails: the 16-bit W and Kd are exact in TF32
-                    stage_w_kd(w_r, k_l, wh_s, wh_s, kh_s, kh_s, tx)
+                    T.wgmma_gemm(sh_s, wl_s, vn_f, transpose_B=True)
+                stage_kd(k_x, kh_s, kl_s, tx)
                 if tx < K:
                     ec_s[tx] = e_r[0]
+                load_w(W, w_r, cn, ih)
+                load_kd(Kd, k_x, cn, ih, tx)
+                if tx < K:
+                    e_r[0] = Ec[cn, ih, tx]
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(vn_f, num_regs=C * BV // threads)  # reads of V' stay after the wait
+                for j, i in T.Parallel(BV, C):
+                    vn_f[j, i] = u_r[j, i] - vn_f[j, i]
+                for j, i in T.Parallel(BV, C):
+                    u_r[j, i] = T.if_then_else(is_m, T.float32(0), T.cast(U[cn, ih, i, ucol + j], f32))
+                for j, i in T.Parallel(BV, C):
+                    vh_s[j, i] = tf32(tf32_hi(vn_f[j, i]))
+                    vl_s[j, i] = tf32(vn_f[j, i] - tf32_hi(vn_f[j, i]))
+                # S^T <- S^T Diag(eC) + V'^T Kd, asynchronous; meanwhile the next chunk's W goes to
+                # shared memory (these MMAs read Kd and V' only)
+                for j, d in T.Parallel(BV, K):
+                    S_f[j, d] = S_f[j, d] * ec_s[d]
+                T.wgmma_gemm(vh_s, kh_s, S_f, transpose_B=True)
+                T.wgmma_gemm(vl_s, kh_s, S_f, transpose_B=True)
+                if split_in:
+                    T.wgmma_gemm(vh_s, kl_s, S_f, transpose_B=True)
+                stage_w(w_r, wh_s, wl_s)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(S_f, num_regs=K * BV // threads)
 
-            T.copy(S_f, SM[n, ih, :, col0 : col0 + BV])
+            for j, d in T.Parallel(BV, K):
+                SM[n, ih, d, col0 + j] = S_f[j, d]
 
     return kda_state_summary
 
 
 @functools.lru_cache(maxsize=None)
-def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *,
-                         block_k=None, block_v=64, threads=256, num_stages=1,
+def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256,
                          operand="custom[tfloat32]"):
     """Compile the summary-mode state pass (N, number of chunks and H dynamic).
 
-    One block per (sequence, head, block_v augmented columns): with block_v = 64 the V + K = 256
-    columns of a head take 4 blocks, so B*H = 32 heads fill the H200's 132 SMs in one wave. The
-    next chunk's W, Kd^T, U, eC are loaded into registers while the current chunk's GEMMs run and
-    split into TF32 head/tail in shared memory after them (a register prefetch: shared memory has
-    no room for a second stage of the four K x C operands).
+    One block per (sequence, head, 64 augmented columns): the V + K = 256 columns of a head take 4
+    blocks, so B*H = 32 heads fill the H200's 132 SMs in one wave (fewer heads: cut the sequences
+    into pieces, kernels._summary_run). The block carries S^T (64 x K, fp32, in registers), so
+    both GEMMs (V'^T = U^T - S^T W^T, S^T <- S^T Diag(eC) + V'^T Kd) write accumulators whose
+    thread-local pairs are adjacent in the K-major TF32 operands they feed next. The MMAs are
+    asynchronous: while V'^T is computed, this chunk's Kd^T and eC go to shared memory and the next
+    chunk's loads are issued; while S^T is updated, the next chunk's W goes to shared memory.
+    Measured at S1 (T=32768, H=32, bf16 inputs) on an H200: 2.53 ms (the S-carrying layout with
+    synchronous MMAs and rounding TF32 conversions took 3.89 ms; scripts/tune_summary.py).
 
     Args:
-        H: None (runtime) or an int; K, V, chunk_size static; V and K multiples of block_v.
+        H: None (runtime) or an int; K, V, chunk_size static; K and V multiples of 64.
         dtype: the inputs' dtype. "float32": W, U, Kd^T from the fp32 summary intra kernel, every
             product a 3xTF32 split. "bfloat16"/"float16": the forward's chunk-local tensors
             (chunk_kda_fwd_prepare), exact in TF32, so only the state and V' are split (2xTF32).
-        accum_dtype: "float32".
-        operand: element type of the split operands in shared memory, "float32" (mma.sync TF32)
-            or "tfloat32" (lets TileLang pick wgmma); the values are exact either way.
+        accum_dtype: "float32". threads: 256 (two warpgroups).
+        operand: element type of the split operands in shared memory (TF32 for wgmma).
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Kd, Ec[NC,H,K] fp32, Seq[N,4] i32, SM[N,H,K,V+K] fp32)
-        writing SM = [S~ | M]; Kd is Kd^T [NC,H,K,C] for fp32 inputs, Kd [NC,H,C,K] for 16-bit ones.
-        A sequence with no chunks gets [0 | I].
+        writing SM = [S~ | M] for each row (first chunk, number of chunks, -, -) of Seq; Kd is
+        Kd^T [NC,H,K,C] for fp32 inputs, Kd [NC,H,C,K] for 16-bit ones. A row with no chunks gets
+        [0 | I].
+    Raises:
+        ValueError for K or V not a multiple of 64, or a thread count that does not split Kd
+        evenly (16-bit inputs: K * chunk_size / threads key channels per thread, a multiple of 8).
     """
+    block_v = 64  # one warpgroup M-tile of S^T rows
     if V % block_v or K % block_v or accum_dtype != "float32":
-        raise ValueError(f"V={V} and K={K} must be multiples of block_v={block_v}; accum_dtype float32")
-    if threads < K:
-        raise ValueError(f"threads={threads} must be >= K={K} (one thread per key channel of eC)")
+        raise ValueError(f"V={V} and K={K} must be multiples of {block_v}; accum_dtype float32")
+    if threads < K or threads % 128:
+        raise ValueError(f"threads={threads} must be whole warpgroups and >= K={K} (one thread per key channel of eC)")
     if tl_dtype(dtype) != "float32" and ((K * chunk_size) % threads or (K * chunk_size // threads) % 8
                                         or threads % chunk_size):
         raise ValueError(f"16-bit inputs: threads={threads} must divide K * chunk_size = {K * chunk_size} into a "
