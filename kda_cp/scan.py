@@ -36,6 +36,8 @@ __all__ = [
     "exclusive_scan",
     "reverse_transposed_exclusive_scan",
     "total",
+    "prefix_at",
+    "transposed_suffix_at",
     "ScanMethod",
     "ieee_fp32_matmul",
 ]
@@ -148,9 +150,57 @@ def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineM
 
 @ieee_fp32
 def total(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
-    """maps[P-1] o ... o maps[0]: the map of the whole sequence."""
-    prefix = exclusive_scan(maps, method)
-    return compose(AffineMap(maps.M[-1], maps.S[-1]), AffineMap(prefix.M[-1], prefix.S[-1]))
+    """maps[P-1] o ... o maps[0]: the map of the whole sequence (P >= 1).
+
+    "log_depth" composes neighbours pairwise, ceil(log2 P) rounds of batched products and P - 1
+    compositions in all; "sequential" folds left to right in P - 1 steps.
+
+    Raises:
+        ValueError: on malformed shapes, an empty stack or an unknown method.
+    """
+    _check_stack(maps)
+    M, S = maps
+    if M.shape[0] == 0:
+        raise ValueError("total of an empty stack of maps")
+    if method == "sequential":
+        acc = AffineMap(M[0], S[0])
+        for r in range(1, M.shape[0]):
+            acc = compose(AffineMap(M[r], S[r]), acc)
+        return acc
+    if method != "log_depth":
+        raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
+    while M.shape[0] > 1:
+        n = M.shape[0] // 2 * 2  # pairs (2i, 2i + 1); an odd last map carries over unchanged
+        first, second = AffineMap(M[0:n:2], S[0:n:2]), AffineMap(M[1:n:2], S[1:n:2])
+        pairM, pairS = compose(second, first)
+        M, S = torch.cat([pairM, M[n:]]), torch.cat([pairS, S[n:]])
+    return AffineMap(M[0], S[0])
+
+
+def prefix_at(maps: AffineMap, r: int, method: ScanMethod = "log_depth") -> AffineMap:
+    """``exclusive_scan(maps)[r]`` alone: maps[r-1] o ... o maps[0], the identity for r = 0.
+
+    What one rank needs after an all-gather: r - 1 compositions (a tree of depth ceil(log2 r))
+    instead of a scan over all P maps.
+    """
+    _check_stack(maps)
+    if not 0 <= r < maps.M.shape[0]:
+        raise ValueError(f"r={r} outside the stack of {maps.M.shape[0]} maps")
+    if r == 0:
+        return identity_like(AffineMap(maps.M[0], maps.S[0]))
+    return total(AffineMap(maps.M[:r], maps.S[:r]), method)
+
+
+def transposed_suffix_at(maps: AffineMap, r: int, method: ScanMethod = "log_depth") -> AffineMap:
+    """``reverse_transposed_exclusive_scan(maps)[r]`` alone: t_{r+1} o ... o t_{P-1} with
+    t_j(x) = M_j^T x + G_j, the identity for r = P - 1 (P - r - 2 compositions)."""
+    _check_stack(maps)
+    P = maps.M.shape[0]
+    if not 0 <= r < P:
+        raise ValueError(f"r={r} outside the stack of {P} maps")
+    if r == P - 1:
+        return identity_like(AffineMap(maps.M[0], maps.S[0]))
+    return total(AffineMap(maps.M[r + 1:].flip(0).transpose(-1, -2), maps.S[r + 1:].flip(0)), method)
 
 
 @ieee_fp32

@@ -63,8 +63,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
         M, St = backend.summary_prepared(prepared, opts, last_only=False)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, St.to(sdt)
-        prefix = scan.exclusive_scan(maps)
-        s_in = prefix.S[rank]
+        s_in = scan.prefix_at(maps, rank).S  # what cp_chunk_kda computes after the all-gather
         backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
         return M, s_in
 
@@ -74,8 +73,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
         G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, G
-        suffix = scan.reverse_transposed_exclusive_scan(maps)
-        d_end = suffix.S[rank]
+        d_end = scan.transposed_suffix_at(maps, rank).S
         return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts, prepared=prepared)
 
     with torch.no_grad():

@@ -50,11 +50,38 @@ def test_reverse_transposed_scan(method, P):
         d = maps.M[r].transpose(-1, -2) @ d + maps.S[r]
 
 
+@pytest.mark.parametrize("method", ["sequential", "log_depth"])
+@pytest.mark.parametrize("P", [1, 2, 3, 6, 9])
+def test_one_ranks_prefix_and_suffix_equal_the_full_scans(method, P):
+    """What a rank computes after an all-gather (its own prefix / transposed suffix, by a fold of
+    r maps) equals its row of the full scans, for every rank r."""
+    maps = rand_maps(P)
+    prefix = scan.exclusive_scan(maps, method)
+    suffix = scan.reverse_transposed_exclusive_scan(maps, method)
+    ident = scan.identity_like(scan.AffineMap(maps.M[0], maps.S[0]))
+    for r in range(P):
+        for name, full, one in (("prefix", prefix, scan.prefix_at(maps, r, method)),
+                                ("suffix", suffix, scan.transposed_suffix_at(maps, r, method))):
+            if (name == "prefix" and r == 0) or (name == "suffix" and r == P - 1):
+                assert torch.equal(one.M, ident.M) and torch.equal(one.S, ident.S), f"{name}[{r}] not the identity"
+                continue
+            assert_close(f"{name} M[{r}]", full.M[r], one.M, 1e-12)
+            assert_close(f"{name} S[{r}]", full.S[r], one.S, 1e-12)
+    with pytest.raises(ValueError, match="outside"):
+        scan.prefix_at(maps, P)
+    with pytest.raises(ValueError, match="outside"):
+        scan.transposed_suffix_at(maps, -1)
+
+
 def test_bad_stack_and_method():
     with pytest.raises(ValueError, match="M must be"):
         scan.exclusive_scan(scan.AffineMap(torch.randn(3, 4, 5), torch.randn(3, 4, 2)))
     with pytest.raises(ValueError, match="method"):
         scan.exclusive_scan(rand_maps(2), "bogus")
+    with pytest.raises(ValueError, match="method"):
+        scan.total(rand_maps(2), "bogus")
+    with pytest.raises(ValueError, match="empty"):
+        scan.total(rand_maps(0))
 
 
 def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):
@@ -77,6 +104,8 @@ def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):
             scan.exclusive_scan(maps, method)
             scan.reverse_transposed_exclusive_scan(maps, method)
             scan.total(maps, method)
+            scan.prefix_at(maps, 3, method)
+            scan.transposed_suffix_at(maps, 1, method)
         f = scan.AffineMap(maps.M[0], maps.S[0])
         scan.apply(scan.compose(f, f), maps.S[1])
         assert torch.get_float32_matmul_precision() == "high", "the caller's precision was not restored"

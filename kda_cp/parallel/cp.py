@@ -109,10 +109,8 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
     packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
     maps = scan.AffineMap(packed[..., :K], packed[..., K:])
     if reverse:
-        out = scan.reverse_transposed_exclusive_scan(maps, plan.scan_method)
-    else:
-        out = scan.exclusive_scan(maps, plan.scan_method)
-    return scan.AffineMap(out.M[plan.rank], out.S[plan.rank])
+        return scan.transposed_suffix_at(maps, plan.rank, plan.scan_method)
+    return scan.prefix_at(maps, plan.rank, plan.scan_method)
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
