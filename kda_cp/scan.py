@@ -155,6 +155,8 @@ def total(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
     "log_depth" composes neighbours pairwise, ceil(log2 P) rounds of batched products and P - 1
     compositions in all; "sequential" folds left to right in P - 1 steps.
 
+    The result may share memory with ``maps`` (a single map is returned as a view).
+
     Raises:
         ValueError: on malformed shapes, an empty stack or an unknown method.
     """

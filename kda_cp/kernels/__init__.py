@@ -289,6 +289,8 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     Returns:
         (M [N, H, K, K] fp32, S_tilde [N, H, K, V] fp32); N = 1 with ``last_only``. An empty
         sequence gets (I, 0).
+    With ``last_only`` the launch is sized for that one sequence (cut into more pieces), so its map
+    may differ from the full call's last row by fp32 rounding.
     Numerics: the state and V' are split into TF32 head + tail and W, Kd are exact in TF32, so every
         product (and so the chain of M) is carried at fp32 accuracy (2xTF32). The factors
         Diag(eC) - Kd^T W themselves are the forward's: W and Kd rounded to the input dtype, as the
@@ -299,11 +301,8 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     if prepared.tensors is None:
         raise ValueError("chunk_kda_summary_prepared: `prepared` was already consumed by chunk_kda_bwd")
     W, U, _, Kd, _, Ec, tables = prepared.tensors
-    _, H, _, K = W.shape
-    # pieces from the whole table, so that the last sequence's map is bitwise the same either way
-    pieces = _summary_pieces(W.device, tables.seq_table.shape[0], H, K, U.shape[-1], tables.num_chunks)
     seq = tables.seq_table[-1:] if last_only else tables.seq_table
-    return _summary_run(W, U, Kd, Ec, seq, tables.num_chunks, pieces)
+    return _summary_run(W, U, Kd, Ec, seq, tables.num_chunks)
 
 
 def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):

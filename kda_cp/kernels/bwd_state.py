@@ -137,8 +137,9 @@ def build_bwd_state_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
         dtype: q/k/v dtype name ("bfloat16" / "float16"); accum_dtype must be "float32".
         store_states: run the forward walk and store Hs, dHs (full backward); False gives the
             standalone state gradient (reverse walk only, Hs/dHs untouched, may be [1, H, K, V]).
-        block_v, threads, num_stages (software pipelining of the per-chunk loads; 2 does not lower in
-            tilelang 0.1.15): launch knobs;
+        block_v, threads, num_stages (software pipelining of the per-chunk loads): launch knobs;
+            num_stages=2 lowers for store_states=False only (tilelang 0.1.15) and is what
+            chunk_kda_state_grad uses;
             block_k unused (common factory signature).
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C], eC[NC,H,K] f32,

@@ -141,7 +141,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     KPT = K * C // threads  # 16-bit Kd: key channels per thread
 
     def tf32(x):
-        """An fp32 value as a TF32 operand: a bit-cast (the tensor cores read the top 19 bits)."""
+        """An fp32 value as a TF32 operand: a bit-cast, no rounding conversion (on the H200 the
+        summaries came out bitwise equal to those of the rounding conversion)."""
         return T.reinterpret(x, op)
 
     @T.macro
@@ -282,8 +283,7 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256,
-                         operand="custom[tfloat32]"):
+def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256):
     """Compile the summary-mode state pass (N, number of chunks and H dynamic).
 
     One block per (sequence, head, 64 augmented columns): the V + K = 256 columns of a head take 4
@@ -302,7 +302,6 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
             product a 3xTF32 split. "bfloat16"/"float16": the forward's chunk-local tensors
             (chunk_kda_fwd_prepare), exact in TF32, so only the state and V' are split (2xTF32).
         accum_dtype: "float32". threads: 256 (two warpgroups).
-        operand: element type of the split operands in shared memory (TF32 for wgmma).
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Kd, Ec[NC,H,K] fp32, Seq[N,4] i32, SM[N,H,K,V+K] fp32)
         writing SM = [S~ | M] for each row (first chunk, number of chunks, -, -) of Seq; Kd is
@@ -321,5 +320,5 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
                                         or threads % chunk_size):
         raise ValueError(f"16-bit inputs: threads={threads} must divide K * chunk_size = {K * chunk_size} into a "
                          f"multiple of 8 key channels per thread, and be a multiple of chunk_size={chunk_size}")
-    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, operand, tl_dtype(dtype))
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, "custom[tfloat32]", tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")

@@ -9,7 +9,7 @@ Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
      a packed shard whose first sequence starts at its first token) runs step 3 first and hands
      over its end state as (0, S_end); the last rank without final-state outputs sends zeros (no
      rank reads its pair). At P = 2 neither rank runs the summary;
-  2. exchange the pairs (all-gather + local scan, or a log-depth scan over point-to-point
+  2. exchange the pairs (all-gather + each rank's fold of the pairs before it, or a log-depth scan over point-to-point
      sends); the exclusive prefix gives the state entering the shard's first token. The
      all-gather is issued asynchronously; on the last rank (which sends zeros) step 0 runs while
      it is in flight. On a summarising rank step 0 must precede the summary, so there is nothing
@@ -351,9 +351,10 @@ def cp_chunk_kda(
         cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
             same on every rank; sequences may cross any number of rank boundaries.
         chunk_size, backend, check_gate, g_min: as in :func:`kda_cp.chunk_kda`.
-        exchange: "allgather" (P pairs to every rank, then a local scan), "p2p" (log-depth scan
+        exchange: "allgather" (P pairs to every rank, then each folds those before it), "p2p" (log-depth scan
             over point-to-point sends), or "auto" (all-gather up to P2P_ABOVE ranks).
-        scan_method: schedule of the local scan after an all-gather: "log_depth" or "sequential".
+        scan_method: schedule of a rank's fold after an all-gather: "log_depth" (a pairwise tree)
+            or "sequential".
 
     Returns:
         (o [B, T_r, H, V] for this shard, final_state [N, H, K, V] or None).
@@ -529,10 +530,11 @@ def cp_chunk_kda_in_one_process(
         else:
             preps[r] = _shard_prepare(impl, opts, plans[r], *ins[r])
             pairs.append(_shard_pair(impl, opts, plans[r], preps[r], h0))
-    prefix = scan.exclusive_scan(scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs])),
-                                 scan_method)
+    maps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs]))
     for r in range(world_size):  # every shard's prepared tensors are alive here, as on P ranks
-        outs[r] = outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, prefix.S[r], preps[r])
+        # each rank's own fold of the gathered pairs, as cp_chunk_kda computes it after an all-gather
+        s_in = scan.prefix_at(maps, r, scan_method).S
+        outs[r] = outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, s_in, preps[r])
         preps[r] = None
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
@@ -544,11 +546,10 @@ def cp_chunk_kda_in_one_process(
     preps = [_backward_prepare(impl, opts, plans[r], *ins[r]) for r in range(world_size)]
     Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin, preps[r])
           for r in range(world_size)]
-    suffix = scan.reverse_transposed_exclusive_scan(
-        scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs)), scan_method)
+    tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs))
     grads, dh0 = [], None
     for r in range(world_size):
-        dht = _end_dht(plans[r], scan.AffineMap(suffix.M[r], suffix.S[r]), dfin, dhts[r], Gs[r])
+        dht = _end_dht(plans[r], scan.transposed_suffix_at(tmaps, r, scan_method), dfin, dhts[r], Gs[r])
         gr, rows = _shard_backward(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dht, preps[r])
         preps[r] = None
         grads.append(gr)
