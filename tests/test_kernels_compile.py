@@ -3,7 +3,9 @@
 Marker ``compile``. Skipped when tilelang or nvcc is absent. Builds each of the four kernel factories
 at representative launch configs (K = V in {64, 128}, bf16 and fp16, with/without initial and final
 state) and checks the instruction choice in the generated CUDA: wgmma for the bf16/fp16 GEMMs of
-the forward, and only TF32 MMAs on split fp32 data (3xTF32) in the summary, never a 16-bit GEMM.
+the forward, and only TF32 MMAs on split fp32 data (3xTF32) in the summary, never a 16-bit GEMM;
+and, in the summary's loop of asynchronous MMAs, the barriers, proxy fences and waits that keep its
+shared-memory operand stores from racing the other warpgroup's MMAs.
 About 5 minutes on 2 CPU cores (the chunk-local kernels take ~100 s each to compile there).
 """
 import shutil
@@ -48,3 +50,72 @@ def test_summary_kernels_compile(K):
     for s in (isrc, src):  # M must never pass through a 16-bit or plain single-pass GEMM
         assert "kTensorFloat32" in s
         assert "kBFloat16, tl::DataType::kBFloat16" not in s and "kFloat16, tl::DataType::kFloat16" not in s
+
+
+def _loop_events(src):
+    """The summary kernel's chunk loop as a list of events: ("bar",), ("fence",), ("wait",),
+    ("issue", {buffers the MMA group reads}), ("store", buffer) for stores into shared operands."""
+    import re
+
+    start = src.index("for (int c = 0; c < nc; ++c) {")
+    depth, end = 0, start
+    for end in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[end], 0)
+        if depth == 0 and src[end] == "}":
+            break
+    events, reads = [], set()
+    for line in src[start:end].splitlines():
+        if "__syncthreads()" in line:
+            events.append(("bar",))
+        elif "fence_proxy_async" in line:
+            events.append(("fence",))
+        elif "wait_wgmma" in line:
+            events.append(("wait",))
+        elif "initialize_wgmma_descriptor" in line:
+            reads.add(re.search(r"\(tfloat32_t\*\)(\w+)\)", line).group(1))
+        elif "warpgroup_commit_batch" in line:
+            events.append(("issue", frozenset(reads)))
+            reads = set()
+        else:
+            m = re.search(r"\(tfloat32_t\*\)(\w+_s)\)(\[| \+).*\) =|\(\(tfloat32_t\*\)(\w+_s)\)\[.*\] =", line)
+            if m:
+                events.append(("store", m.group(1) or m.group(3)))
+    return events
+
+
+@pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16"), (128, "float32")])
+def test_summary_kernel_orders_async_mmas_and_stores(K, dtype):
+    """The summary kernel overlaps its operand stores with asynchronous MMAs of two warpgroups. In
+    the generated loop (taken cyclically, as iterations follow each other), every store into a
+    shared operand must come after the wait of the last MMA group that read it and a block barrier
+    after that wait (else the other warpgroup's MMA may still read it), and every MMA group must
+    come after a barrier and a proxy fence that follow the last store into what it reads."""
+    events = _loop_events(build_summary_kernel(None, K, K, 64, dtype=dtype).get_kernel_source())
+    stored = {e[1] for e in events if e[0] == "store"}
+    read = set().union(*(e[1] for e in events if e[0] == "issue"))
+    assert stored and read and stored <= read, (stored, read)
+    n = len(events)
+    for i, e in enumerate(events):
+        if e[0] == "store":  # backwards: a barrier, then a wait, before any group reading it
+            seen_bar = False
+            for j in range(1, n):
+                f = events[(i - j) % n]
+                if f[0] == "bar":
+                    seen_bar = True
+                elif f[0] == "wait" and seen_bar:
+                    break
+                elif f[0] == "issue" and e[1] in f[1]:
+                    raise AssertionError(f"store into {e[1]} (event {i}) can race an MMA that reads it")
+        if e[0] == "issue":  # backwards: a fence, then a barrier, before any store into what it reads
+            seen_fence = seen_bar = False
+            for j in range(1, n):
+                f = events[(i - j) % n]
+                if f[0] == "fence":
+                    seen_fence = True
+                elif f[0] == "bar" and seen_fence:
+                    seen_bar = True
+                elif f[0] == "issue" and seen_bar:
+                    break
+                elif f[0] == "store" and f[1] in e[1]:
+                    assert seen_bar, f"MMA group (event {i}) may read {f[1]} before its store is visible"
+                    break
