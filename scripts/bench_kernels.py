@@ -57,7 +57,7 @@ def sweep(shape, repeats):
     Ec = e(NC, H, K, dt=torch.float32)
     args = (q.view(-1, H, K), k.view(-1, H, K), v.view(-1, H, V), g.view(-1, H, K), beta.view(-1, H),
             tab.chunk_table, W, U, Qg, Kd, Aqk, Ec)
-    for threads in (128,):
+    for threads in (128, 256):
         try:
             ker = build_intra_kernel(None, K, V, C, "bfloat16", scale=K ** -0.5, threads=threads)
             print(f"intra threads={threads}: {time_ms(lambda: ker(*args), repeats):.3f} ms", flush=True)
