@@ -38,8 +38,8 @@ def main():
         }
         if not args.no_backward:
             builds.update({
-                "bwd state": lambda: build_bwd_state_kernel(None, K, K, C, dt, store_states=True),
-                "state grad": lambda: build_bwd_state_kernel(None, K, K, C, dt, store_states=False, num_stages=2),
+                **{f"bwd state {w}": (lambda w=w: build_bwd_state_kernel(None, K, K, C, dt, walk=w))
+                   for w in ("forward", "reverse", "state_grad")},
                 "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
                 "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
                 "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),

@@ -190,11 +190,12 @@ def test_stages_match_mirror():
     Hs = torch.empty(NC, H, K, V, device="cuda", dtype=q.dtype)
     dHs = torch.empty_like(Hs)
     dh0 = torch.empty(B, H, K, V, device="cuda")
-    build_bwd_state_kernel(None, K, V, C, dt, store_states=True)(
-        W, U, Qg, Kd, Aqk, Ec, do.view(T, H, V), tables.seq_table, h0, dht, Hs, dHs, dh0)
+    for walk in ("forward", "reverse"):
+        build_bwd_state_kernel(None, K, V, C, dt, walk=walk)(
+            W, U, Qg, Kd, Aqk, Ec, do.view(T, H, V), tables.seq_table, h0, dht, Hs, dHs, dh0)
     f32 = dict(device="cuda", dtype=torch.float32)
-    dAqk = torch.empty(NC, H, C, C, device="cuda", dtype=q.dtype)
-    mid = dict(device="cuda", dtype=torch.bfloat16)  # dQg, dKd, dGk are stored in bf16
+    mid = dict(device="cuda", dtype=torch.bfloat16)  # dAqk, dQg, dKd, dB, dGk are stored in bf16
+    dAqk = torch.empty(NC, H, C, C, **mid)
     dQg, dKd = torch.empty(NC, H, C, K, **mid), torch.empty(NC, H, C, K, **mid)
     dEc = torch.empty(NC, H, K, **f32)
     dW = torch.empty(NC, H, C, K, device="cuda", dtype=q.dtype)
@@ -203,7 +204,7 @@ def test_stages_match_mirror():
                                            dAqk, dQg, dKd, dEc, dW, dU)
     dv = torch.zeros(T, H, V, device="cuda", dtype=q.dtype)
     dbeta = torch.zeros(T, H, **f32)
-    dB = torch.empty(NC, H, C, C, device="cuda", dtype=q.dtype)
+    dB = torch.empty(NC, H, C, C, **mid)
     dGk = torch.empty(NC, H, C, K, **mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU, dv, dbeta, dB, dGk)
     dq = torch.zeros(T, H, K, device="cuda", dtype=q.dtype)

@@ -110,3 +110,22 @@ def test_state_grad_mirror():
     ref = _autograd(naive_recurrent_kda, q, k, v, g, beta, h0, do, None, scale)[5]
     out = chunk_kda_state_grad_mirror(q, k, v, g, beta, scale=scale, do=do)
     assert _rel(ref, out) <= TOL, f"dh0: relative error {_rel(ref, out):.3e}"
+
+
+def test_dk_operand_split_keeps_dg_accurate():
+    """The "dk" kernel's operands: dAqk, dB in bf16 and each decayed factor as two bf16 pieces.
+
+    dg is a reverse cumsum in which the row- and column-side terms of each pair cancel, so the
+    factors' rounding does not average out: one bf16 piece leaves dg ~6e-2 from fp64 (as measured
+    the same way on an H200 before the split), two pieces (16 significant bits) stay at the level
+    that rounding dM alone gives. fp64 mirror with bf16-rounded inputs, g down to -5, T % 64 != 0.
+    """
+    B, T, H, K, V = 1, 300, 2, 64, 32
+    q, k, v, g, beta, _, do, _ = _inputs(B, T, H, K, V, B)
+    q, k, v, do = (x.to(torch.bfloat16).double() for x in (q, k, v, do))
+    kw = dict(scale=K ** -0.5, do=do)
+    exact = chunk_kda_bwd_mirror(q, k, v, g, beta, **kw)
+    err = {p: _rel(exact[3], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=p, **kw)[3]) for p in (1, 2)}
+    dq_two = _rel(exact[0], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=2, **kw)[0])
+    assert err[2] <= 4e-3 and dq_two <= 4e-3, (err, dq_two)  # dM's own bf16 rounding: ~1.6e-3
+    assert err[1] >= 4 * err[2], err  # why the second piece is there

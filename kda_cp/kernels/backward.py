@@ -10,8 +10,8 @@ Public API (to be wired into ``kda_cp.ops.TileLangBackend`` by ops.py):
 Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against autograd):
 
 1. intra.py (the forward's kernel): recompute W, U, Qg, Kd, Aqk, eC per chunk from q, k, v, g, beta.
-2. bwd_state.py: forward walk storing each chunk's start state Hs; reverse walk storing each
-   chunk's end-state gradient dHs and the initial state's gradient dh0.
+2. bwd_state.py, two launches: the forward walk storing each chunk's start state Hs; the reverse
+   walk storing each chunk's end-state gradient dHs and the initial state's gradient dh0.
 3. bwd_intra.py "dv": V', dV' and the gradients of Aqk, Qg, Kd, eC, W, U.
 4. bwd_intra.py "ut": the UT transform's backward: dv, dbeta, dB, dGk.
 5. bwd_intra.py "dk": the decayed products' backward; dq, dk, dg.
@@ -128,13 +128,14 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     dHs = torch.empty(NC, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     dof = do.view(B * T, H, V)
-    build_bwd_state_kernel(None, K, V, C, dt, store_states=True)(
-        W, U, Qg, Kd, Aqk, Ec, dof, tables.seq_table, h0, dht_, Hs, dHs, dh0)
+    for walk in ("forward", "reverse"):
+        build_bwd_state_kernel(None, K, V, C, dt, walk=walk)(
+            W, U, Qg, Kd, Aqk, Ec, dof, tables.seq_table, h0, dht_, Hs, dHs, dh0)
     del Qg
 
     # ---- stage 3: "dv" ----
-    dAqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
     mid = torch.bfloat16  # fp32-accumulated intermediates stored in bf16 (range of fp32, even for fp16 input)
+    dAqk = torch.empty(NC, H, C, C, device=dev, dtype=mid)
     dQg = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     dKd = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     dEc = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
@@ -146,7 +147,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     # ---- stage 4: "ut" ----
     dv, dbeta = grad_buffers(v_grad, beta_grad)
-    dB = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
+    dB = torch.empty(NC, H, C, C, device=dev, dtype=mid)
     dGk = torch.empty(NC, H, C, K, device=dev, dtype=mid)
     build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
                                            dv.view(B * T, H, V), dbeta.view(B * T, H), dB, dGk)
@@ -200,8 +201,6 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
                                                      C, cu_seqlens)
     dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    # num_stages=2: the per-chunk tile loads (TMA) of the next chunk overlap this chunk's MMAs
-    # (H200, T=32768, H=32: 1.03 -> 0.62 ms, bitwise the same)
-    build_bwd_state_kernel(None, K, V, C, dt, store_states=False, num_stages=2)(
+    build_bwd_state_kernel(None, K, V, C, dt, walk="state_grad")(
         W, U, Qg, Kd, Aqk, Ec, do.view(B * T, H, V), tables.seq_table, zeros, zeros, dummy, dummy, dh0)
     return dh0

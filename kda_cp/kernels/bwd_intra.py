@@ -29,24 +29,29 @@ kernel "dk"   (build_bwd_dk_kernel: the decayed products' backward and the assem
 Numerics: cumsums, exponentials, the triangular solve and every elementwise combination in fp32;
 GEMM operands in the input dtype with fp32 accumulation, except in two places. The forward
 recompute of B in "ut" takes bf16 operands (its factors reach exp(75), beyond fp16), as the forward
-does. The decayed products' backward in "dk" is fp32-accurate: dM (bf16/fp16, exact in TF32) times
-the fp32 factor split into TF32 head + tail (2xTF32). It must be: dg is a reverse cumsum of
-dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the pairs
-that straddle the position; with bf16 factors the uncancelled rounding alone gave dg a relative
-RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror with bf16-rounded
-factors), against ~2e-3 with fp32-accurate factors. Rows past a sequence end are read as zero and
-never written. Between kernels dQg, dKd, dGk are stored in bf16 (fp32 range, also for fp16 input),
-and "ut" keeps Gamma * k for dbeta in the input dtype: the fp64 mirror with these roundings moves
-dq, dk, dg by <= 4e-4 and dbeta by <= 2e-5 relative.
+does. The decayed products' backward in "dk" needs the factors to about 16 bits: dM (bf16) times
+the fp32 factor split into two bf16 pieces, hi + lo, both through bf16 MMAs. dg is a reverse cumsum
+of dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the
+pairs that straddle the position; with one bf16 piece the uncancelled rounding alone gives dg a
+relative RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror), with two
+~1.6e-3, the level of dM's own bf16 rounding (bwd_mirror ``dk_pieces``; the kernel used 2xTF32
+until it was shown equal). Rows past a sequence end are read as zero and never written. Between
+kernels dAqk, dB, dQg, dKd, dGk are stored in bf16 (fp32 range, also for fp16 input), and "ut"
+keeps Gamma * k for dbeta in the input dtype: the fp64 mirror with these roundings moves dq, dk,
+dg by <= 4e-4 and dbeta by <= 2e-5 relative.
+
+Every loop over the four 16-row sub-chunks is a loop in the generated code, not unrolled: fully
+unrolled, the kernels stalled on instruction fetch (H200, S1: "dk" 9.8 -> 6.5 ms, "ut" 2.9 -> 1.9 ms
+as loops).
 """
 import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
+from ._common import SUB, compile_kernel, tl_dtype
 
 LOG2E = 1.4426950408889634
-MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dQg, dKd, dGk between kernels
+MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dAqk, dB, dQg, dKd, dGk between kernels
 
 
 def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
@@ -64,7 +69,7 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
         DHs: T.Tensor([NC, Hn, K, V], dtype),
         DO: T.Tensor([TT, Hn, V], dtype),
         Table: T.Tensor([NC, 2], "int32"),
-        DAqk: T.Tensor([NC, Hn, C, C], dtype),
+        DAqk: T.Tensor([NC, Hn, C, C], MID),
         DQg: T.Tensor([NC, Hn, C, K], MID),
         DKd: T.Tensor([NC, Hn, C, K], MID),
         DEc: T.Tensor([NC, Hn, K], f32),
@@ -134,10 +139,14 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_dv
 
 
+def _row_ref(gam_s, I, d):
+    """r_I = gamma[16 I - 1] of channel d (0 for I = 0), I a loop variable."""
+    return T.if_then_else(I > 0, gam_s[T.max(SUB * I - 1, 0), d], T.float32(0))
+
+
 def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     BS = SUB
     NSUB = C // BS
-    SUBS = tuple(range(NSUB))
     R16 = tuple(range(BS))
     op = "bfloat16"  # decayed-product operands: factors up to exp(75) do not fit fp16
     Hn = T.dynamic("H") if H is None else H
@@ -157,7 +166,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
         DU: T.Tensor([NC, Hn, C, V], dtype),
         DV: T.Tensor([TT, Hn, V], dtype),
         DBeta: T.Tensor([TT, Hn], f32),
-        DB: T.Tensor([NC, Hn, C, C], dtype),
+        DB: T.Tensor([NC, Hn, C, C], MID),
         DGk: T.Tensor([NC, Hn, C, K], MID),
     ):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
@@ -202,13 +211,13 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                     gam_s[i, d] = acc0[0]
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
-            for I in SUBS:
+            for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
                 for r, d in T.Parallel(BS, K):
-                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    ref = _row_ref(gam_s, I, d)
                     kp_s[r, d] = T.cast(
                         T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
                 for j, d in T.Parallel(C, K):
-                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    ref = _row_ref(gam_s, I, d)
                     km_s[j, d] = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
@@ -237,12 +246,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             for I in tuple(range(1, NSUB)):
                 for r, c in T.Parallel(BS, BS * I):
                     acc = T.alloc_var(f32, init=0)
-                    for j in tuple(range(BS * I)):
+                    for j in T.serial(BS * I):
                         acc = acc - B_s[BS * I + r, j] * X_s[j, c]
                     tmp_s[r, c] = acc * beta_s[BS * I + r]
                 for r, c in T.Parallel(BS, BS * I):
                     acc2 = T.alloc_var(f32, init=0)
-                    for j in R16:
+                    for j in T.serial(BS):
                         acc2 = acc2 + Td_s[I, r, j] * tmp_s[j, c]
                     X_s[BS * I + r, c] = acc2
             T.copy(X_s, Xc_s)
@@ -278,7 +287,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                     bos + i < eos, T.cast(Vx[bos + i, ih, j], f32), T.float32(0))
             T.reduce_sum(dvb_f, r2_f, dim=1)
             for i, j in T.Parallel(C, C):
-                DB[ic, ih, i, j] = T.cast(beta_s[i] * da_f[i, j], dtype)
+                DB[ic, ih, i, j] = T.cast(beta_s[i] * da_f[i, j], MID)
             for i, j in T.Parallel(C, C):
                 da_f[i, j] = da_f[i, j] * B_s[i, j]
             T.reduce_sum(da_f, r3_f, dim=1)
@@ -293,7 +302,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
 
 def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BS = SUB
-    SUBS = tuple(range(C // BS))
+    NSUB = C // BS
     BK = block_k  # key channels per block: every step below is independent per channel
     GP = BK + 1  # padded row pitch (fp32): column reads gam_s[j, d] over j are bank-conflict free
     XP = BK + 2  # padded row pitch (16-bit), likewise
@@ -307,8 +316,8 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
         Kx: T.Tensor([TT, Hn, K], dtype),
         G: T.Tensor([TT, Hn, K], f32),
         Table: T.Tensor([NC, 2], "int32"),
-        DAqk: T.Tensor([NC, Hn, C, C], dtype),
-        DB: T.Tensor([NC, Hn, C, C], dtype),
+        DAqk: T.Tensor([NC, Hn, C, C], MID),
+        DB: T.Tensor([NC, Hn, C, C], MID),
         DQg: T.Tensor([NC, Hn, C, K], MID),
         DKd: T.Tensor([NC, Hn, C, K], MID),
         DGk: T.Tensor([NC, Hn, C, K], MID),
@@ -325,15 +334,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             dgam_s = T.alloc_shared([C, BK], f32)
             k_s = T.alloc_shared([C, XP], dtype)
             q_s = T.alloc_shared([C, XP], dtype)
-            # dM slices of sub-chunk I, fp32 (bf16/fp16 values are exact in TF32): rows of dAqk and
-            # dB, and their columns (transposed)
-            aq_s = T.alloc_shared([BS, C], f32)
-            ab_s = T.alloc_shared([BS, C], f32)
-            aqT_s = T.alloc_shared([BS, C], f32)
-            abT_s = T.alloc_shared([BS, C], f32)
-            # factor operand, transposed (K-major for TF32), split into TF32 head and tail
-            fh_s = T.alloc_shared([BK, C], f32)
-            fl_s = T.alloc_shared([BK, C], f32)
+            # dM slices of sub-chunk I (bf16): rows of dAqk and dB, and their columns
+            aq_s = T.alloc_shared([BS, C], MID)
+            ab_s = T.alloc_shared([BS, C], MID)
+            aqc_s = T.alloc_shared([C, BS], MID)
+            abc_s = T.alloc_shared([C, BS], MID)
+            # factor operand [channel, token], split into two bf16 pieces
+            fh_s = T.alloc_shared([BK, C], MID)
+            fl_s = T.alloc_shared([BK, C], MID)
             rq_f = T.alloc_fragment([BS, BK], f32)
             rk_f = T.alloc_fragment([BS, BK], f32)
             cq_f = T.alloc_fragment([BS, BK], f32)
@@ -354,22 +362,21 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                     acc[0] += gam_s[i, d]
                     gam_s[i, d] = acc[0]
 
-            for I in SUBS:
-                for r, j in T.Parallel(BS, C):
-                    aq_s[r, j] = T.cast(DAqk[ic, ih, BS * I + r, j], f32)
-                    ab_s[r, j] = T.cast(DB[ic, ih, BS * I + r, j], f32)
-                for j, r in T.Parallel(C, BS):  # r fastest: 32-byte runs of one row
-                    aqT_s[r, j] = T.cast(DAqk[ic, ih, j, BS * I + r], f32)
-                    abT_s[r, j] = T.cast(DB[ic, ih, j, BS * I + r], f32)
+            for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
+                T.copy(DAqk[ic, ih, BS * I:BS * I + BS, :], aq_s)
+                T.copy(DB[ic, ih, BS * I:BS * I + BS, :], ab_s)
+                T.copy(DAqk[ic, ih, :, BS * I:BS * I + BS], aqc_s)
+                T.copy(DB[ic, ih, :, BS * I:BS * I + BS], abc_s)
                 # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
                 for d, j in T.Parallel(BK, C):
-                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    ref = _row_ref(gam_s, I, d)
                     x = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E),
                         T.float32(0))
-                    fh_s[d, j] = tf32_hi(x)
-                    fl_s[d, j] = x - tf32_hi(x)
+                    xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
+                    fh_s[d, j] = xh
+                    fl_s[d, j] = T.cast(x - T.cast(xh, f32), MID)
                 T.gemm(aq_s, fh_s, rq_f, transpose_B=True, clear_accum=True)
                 T.gemm(aq_s, fl_s, rq_f, transpose_B=True)
                 T.gemm(ab_s, fh_s, rk_f, transpose_B=True, clear_accum=True)
@@ -378,22 +385,24 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(q_s[i, d], f32) * (e * scale), T.float32(0))
-                    fh_s[d, i] = tf32_hi(x)
-                    fl_s[d, i] = x - tf32_hi(x)
-                T.gemm(aqT_s, fh_s, cq_f, transpose_B=True, clear_accum=True)
-                T.gemm(aqT_s, fl_s, cq_f, transpose_B=True)
+                    xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
+                    fh_s[d, i] = xh
+                    fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
+                T.gemm(aqc_s, fh_s, cq_f, transpose_A=True, transpose_B=True, clear_accum=True)
+                T.gemm(aqc_s, fl_s, cq_f, transpose_A=True, transpose_B=True)
                 for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
-                    fh_s[d, i] = tf32_hi(x)
-                    fl_s[d, i] = x - tf32_hi(x)
-                T.gemm(abT_s, fh_s, ck_f, transpose_B=True, clear_accum=True)
-                T.gemm(abT_s, fl_s, ck_f, transpose_B=True)
+                    xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
+                    fh_s[d, i] = xh
+                    fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
+                T.gemm(abc_s, fh_s, ck_f, transpose_A=True, transpose_B=True, clear_accum=True)
+                T.gemm(abc_s, fl_s, ck_f, transpose_A=True, transpose_B=True)
                 # ---- assembly for rows i = 16 I + r ----
                 for r, d in T.Parallel(BS, BK):
                     i = BS * I + r
                     gi = gam_s[i, d]
-                    ref = gam_s[BS * I - 1, d] if I > 0 else T.float32(0)
+                    ref = _row_ref(gam_s, I, d)
                     rowf = T.exp2((gi - ref) * LOG2E)
                     colf = T.exp2((gam_s[BS * I + BS - 1, d] - gi) * LOG2E)
                     Gi = T.exp2(gi * LOG2E)
@@ -436,7 +445,7 @@ def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     """Compile kernel "dv" (T, chunks, H dynamic).
 
     Returns kernel(W[NC,H,C,K], U[NC,H,C,V], Kd[NC,H,C,K], Aqk[NC,H,C,C], Hs[NC,H,K,V],
-    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    dHs[NC,H,K,V], dO[TT,H,V], table[NC,2] i32, dAqk[NC,H,C,C] bf16, dQg[NC,H,C,K] bf16,
     dKd[NC,H,C,K] bf16, deC[NC,H,K] f32, dW[NC,H,C,K], dU[NC,H,C,V]); the last six are written.
     Tensors without a dtype are in ``dtype``. block_k, block_v, num_stages: unused (whole K, V).
     """
@@ -453,7 +462,7 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
-    dB[NC,H,C,C], dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
+    dB[NC,H,C,C] bf16, dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
@@ -464,13 +473,14 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
 @functools.lru_cache(maxsize=None)
 def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=64,
-                        block_v=None, threads=128, num_stages=1):
+                        block_v=None, threads=256, num_stages=1):
     """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
 
     ``scale`` is static (part of the cache key, as in the forward). Returns kernel(q[TT,H,K],
-    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C], dB[NC,H,C,C], dQg[NC,H,C,K] bf16,
+    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C] bf16, dB[NC,H,C,C] bf16, dQg[NC,H,C,K] bf16,
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
+    threads: 256 measured 5.6 ms at S1 on an H200, 128 threads 6.4 ms (block_k 32: 5.7 ms).
     """
     block_k = min(block_k, K)
     if chunk_size % SUB or accum_dtype != "float32" or K % block_k:

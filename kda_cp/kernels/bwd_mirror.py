@@ -107,14 +107,30 @@ def _decayed(x, k, gamma, strict):
     return out * mask
 
 
-def _decayed_grads(dM, x, k, gamma):
-    """Row and column gradients of M = decayed(x, k): returns (dx, dk) with dM already masked."""
+def _bf16_pieces(x, pieces):
+    """x as the sum of ``pieces`` bf16 values (hi, then the bf16 of each remainder); 0 keeps x."""
+    if not pieces:
+        return x
+    out = torch.zeros_like(x)
+    for _ in range(pieces):
+        out = out + (x - out).to(torch.bfloat16).to(x.dtype)
+    return out
+
+
+def _decayed_grads(dM, x, k, gamma, pieces=0):
+    """Row and column gradients of M = decayed(x, k): returns (dx, dk) with dM already masked.
+
+    pieces > 0 emulates the "dk" kernel's GEMM operands: dM rounded to bf16 and each decayed
+    factor table split into that many bf16 pieces (the kernel uses 2), products accumulated exactly.
+    """
     C = gamma.shape[-2]
     row, cols = _row_factors(gamma)
+    if pieces:
+        dM = dM.to(torch.bfloat16).to(x.dtype)
     dx = torch.zeros_like(x)
     for I in range(C // SUB):
         rs = slice(SUB * I, SUB * (I + 1))
-        dx[..., rs, :] = row[..., rs, :] * (dM[..., rs, :] @ (k * cols[I]))
+        dx[..., rs, :] = row[..., rs, :] * (dM[..., rs, :] @ _bf16_pieces(k * cols[I], pieces))
     dk = torch.zeros_like(k)
     ar = torch.arange(C, device=x.device)[:, None]
     for J in range(C // SUB):
@@ -122,7 +138,7 @@ def _decayed_grads(dM, x, k, gamma):
         sJ = gamma[..., SUB * J + SUB - 1 : SUB * J + SUB, :]
         i_ok = ar >= SUB * J
         xf = torch.where(i_ok, x * (torch.where(i_ok, gamma - sJ, gamma.new_zeros(()))).exp(), x.new_zeros(()))
-        dk[..., cs, :] = (sJ - gamma[..., cs, :]).exp() * (dM[..., :, cs].transpose(-1, -2) @ xf)
+        dk[..., cs, :] = (sJ - gamma[..., cs, :]).exp() * (dM[..., :, cs].transpose(-1, -2) @ _bf16_pieces(xf, pieces))
     return dx, dk
 
 
@@ -173,7 +189,7 @@ def _state_pass(r: _Recompute, h0, dO, dht, need_states: bool):
     return Hs, dHs, dS
 
 
-def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None):
+def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None, dk_pieces=0):
     B, T, H, K = k.shape
     V = v.shape[-1]
     if T == 0:  # nothing happens: the state passes through unchanged
@@ -204,8 +220,8 @@ def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None):
     dv = r.beta[..., None] * dVb
     dbeta = (dKb * Gam * r.k).sum(-1) + (dVb * r.v).sum(-1) + (dA * r.Bkk).sum(-1)
     dB = r.beta[..., None] * dA
-    dxq, dkq = _decayed_grads(dAqk, r.qs, r.k, r.gamma)
-    dxk, dkk = _decayed_grads(dB, r.k, r.k, r.gamma)
+    dxq, dkq = _decayed_grads(dAqk, r.qs, r.k, r.gamma, dk_pieces)
+    dxk, dkk = _decayed_grads(dB, r.k, r.k, r.gamma, dk_pieces)
     dGk = r.beta[..., None] * dKb  # gradient of Gamma * k
     dqs = Gam * dQg + dxq
     dk = Gam * dGk + (r.gamma[..., -1:, :] - r.gamma).exp() * dKd + dxk + dkk + dkq
@@ -231,7 +247,7 @@ def _segments(cu_seqlens, T):
 
 
 def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht=None, cu_seqlens=None,
-                         chunk_size=64, stages=None):
+                         chunk_size=64, stages=None, dk_pieces=0):
     """Gradients of <o, do> + <ht, dht> for KDA, computed stage by stage as the kernels do.
 
     Args:
@@ -242,6 +258,8 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
             get zero gradients. chunk_size: a multiple of 16.
         stages: a dict to fill with the per-chunk intermediates ([B, H, N, C, *]: W, U, Qg, Kd, Aqk,
             eC, Hs, dHs, dAqk, dQg, dKd, deC, dW, dU, dB, dGk), dense inputs only; for kernel checks.
+        dk_pieces: 0 (exact), or emulate the "dk" kernel's operands: dAqk and dB rounded to bf16
+            and the decayed factors split into this many bf16 pieces (the kernel: 2). Dense only.
     Returns:
         (dq, dk, dv, dg, dbeta, dh0) with the shapes of q, k, v, g, beta and [N, H, K, V].
     """
@@ -254,7 +272,7 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
     h0 = q.new_zeros(NS, H, K, V) if initial_state is None else initial_state.to(q.dtype)
     dht_ = q.new_zeros(NS, H, K, V) if dht is None else dht.to(q.dtype)
     if segs is None:
-        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size, stages)
+        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size, stages, dk_pieces)
     outs = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
     dh0 = torch.zeros_like(h0)
     for i, (a, b) in enumerate(segs):
