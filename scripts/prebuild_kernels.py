@@ -38,8 +38,9 @@ def main():
         }
         if not args.no_backward:
             builds.update({
-                **{f"bwd state {w}": (lambda w=w: build_bwd_state_kernel(None, K, K, C, dt, walk=w))
-                   for w in ("forward", "reverse", "state_grad")},
+                **{f"bwd state {w} block_v={bv}": (lambda w=w, bv=bv: build_bwd_state_kernel(
+                    None, K, K, C, dt, walk=w, block_v=bv)) for w in ("forward", "reverse", "state_grad")
+                   for bv in (16, 32)},
                 "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
                 "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
                 "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+# In generated kernel CUDA: a gam_s address of the form base + (...) - n, i.e. the sub-chunk
+# reference row 16 I - 1 read unguarded (for I = 0 it lies before the tile; the kernels clamp it,
+# kernels._common.sub_chunk_ref).
+NEGATIVE_GAM_OFFSET = re.compile(r"gam_s\) \+ \([^;]*\) - \d+\)\)")
 
 
 def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:

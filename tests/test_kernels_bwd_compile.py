@@ -7,6 +7,7 @@ the "dk" kernel's GEMMs take bf16 operands.
 import shutil
 
 import pytest
+from tests._utils import NEGATIVE_GAM_OFFSET
 
 pytestmark = pytest.mark.compile
 
@@ -38,10 +39,13 @@ def test_bwd_dv_compiles(K, dtype):
 
 @pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
 def test_bwd_ut_compiles(K, dtype):
-    assert "wgmma" in build_bwd_ut_kernel(None, K, K, 64, dtype).get_kernel_source()
+    src = build_bwd_ut_kernel(None, K, K, 64, dtype).get_kernel_source()
+    assert "wgmma" in src
+    assert "for (int I = 0; I < 4; ++I)" in src  # the sub-chunk loop is not unrolled (1.5x slower)
+    assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
 
 
-@pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("K,dtype", CONFIGS + [(64, "float16")], ids=IDS + ["K64-float16"])
 def test_bwd_dk_compiles(K, dtype):
     src = build_bwd_dk_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
     # the decayed products' backward: bf16 MMAs on dM (bf16) and the two-piece bf16 split of the
@@ -49,6 +53,8 @@ def test_bwd_dk_compiles(K, dtype):
     # never fp16 operands, whose range the factors (up to e^80) exceed
     assert "kBFloat16, tl::DataType::kBFloat16" in src
     assert "kFloat16, tl::DataType::kFloat16" not in src and "kTensorFloat32" not in src
+    assert "for (int I = 0; I < 4; ++I)" in src  # the sub-chunk loop is not unrolled (1.5x slower)
+    assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
 
 
 def test_factory_rejects_bad_config():

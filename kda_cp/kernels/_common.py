@@ -107,3 +107,16 @@ def tf32_hi(x):
     import tilelang.language as T
 
     return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32"), T.uint32(0xFFFFE000)), "float32")
+
+
+def sub_chunk_ref(gam_s, I, d):
+    """r_I = gamma[SUB * I - 1] of key channel d, 0 for I = 0: the reference of sub-chunk I (a
+    TileLang loop variable) in the kernels' exponent splits, read from the cumsum tile gam_s [C, *].
+
+    Masked by a multiply, not a select: TVM simplifies the index of a select's taken branch under
+    its condition (max(SUB I - 1, 0) -> SUB I - 1) while CUDA evaluates both branches, so a select
+    read gam_s[-1] for I = 0 (outside the tile; the value was discarded).
+    """
+    import tilelang.language as T
+
+    return gam_s[T.max(SUB * I - 1, 0), d] * T.cast(T.min(I, 1), "float32")

@@ -19,10 +19,12 @@ Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against au
 What the forward keeps for the backward: only its inputs (q, k, v, g, beta, h0), which ops.py's
 autograd already saves; everything else is recomputed here. So the memory held between forward and
 backward is the inputs alone, no more than flash-linear-attention's (which keeps at least as much).
-Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk, dAqk,
-dB (3 x C), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16: accumulated in fp32, rounded once; the fp64
-mirror with these three rounded moves dq, dk, dg by < 2e-4 relative) and per chunk Hs, dHs (2 x K x V
-in the input dtype); they are freed as soon as the next stage no longer needs them.
+Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk (C in
+the input dtype), dAqk, dB (2 x C in bf16), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16), and per
+chunk Hs, dHs (2 x K x V in the input dtype); they are freed as soon as the next stage no longer
+needs them. Every fp32-accumulated intermediate is rounded once to bf16 (fp32's range, also for
+fp16 input): the fp64 mirror with these roundings moves dq, dk, dg by < 4e-4 relative; for fp16
+input, dAqk and dB bring 8 instead of 11 significant bits into "dk".
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
 G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3). Both take the
@@ -52,6 +54,16 @@ def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, d
     build_intra_kernel(None, K, V, C, dt, scale=float(scale))(qf, kf, vf, gf, bf, tables.chunk_table,
                                                             W, U, Qg, Kd, Aqk, Ec)
     return W, U, Qg, Kd, Aqk, Ec
+
+
+def _walk_block_v(dev, N, H, V):
+    """Value columns per block of the state walks: 32, or 16 when the (V / 16) * N * H blocks that
+    gives still fit the SMs in one wave (each block walks its sequence's chunks in order, one per
+    SM; with SMs idle, more and narrower blocks finish the walk sooner).
+    H200, T = 131072, H = 16 (128 blocks of 16 columns): forward walk 1.95 -> 1.55 ms, reverse walk
+    2.44 -> 2.16 ms; at T = 32768, H = 32 (256 blocks of 16) 16 is slower: 0.51 -> 0.79 ms."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return 16 if V % 16 == 0 and (V // 16) * N * H <= sms else 32
 
 
 def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht=None, cu_seqlens=None,
@@ -128,8 +140,9 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     dHs = torch.empty(NC, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     dof = do.view(B * T, H, V)
+    bv = _walk_block_v(dev, N, H, V)
     for walk in ("forward", "reverse"):
-        build_bwd_state_kernel(None, K, V, C, dt, walk=walk)(
+        build_bwd_state_kernel(None, K, V, C, dt, walk=walk, block_v=bv)(
             W, U, Qg, Kd, Aqk, Ec, dof, tables.seq_table, h0, dht_, Hs, dHs, dh0)
     del Qg
 
@@ -201,6 +214,6 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
                                                      C, cu_seqlens)
     dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    build_bwd_state_kernel(None, K, V, C, dt, walk="state_grad")(
+    build_bwd_state_kernel(None, K, V, C, dt, walk="state_grad", block_v=_walk_block_v(dev, N, H, V))(
         W, U, Qg, Kd, Aqk, Ec, do.view(B * T, H, V), tables.seq_table, zeros, zeros, dummy, dummy, dh0)
     return dh0

@@ -48,7 +48,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, tl_dtype
+from ._common import SUB, compile_kernel, sub_chunk_ref, tl_dtype
 
 LOG2E = 1.4426950408889634
 MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dAqk, dB, dQg, dKd, dGk between kernels
@@ -139,11 +139,6 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_dv
 
 
-def _row_ref(gam_s, I, d):
-    """r_I = gamma[16 I - 1] of channel d (0 for I = 0), I a loop variable."""
-    return T.if_then_else(I > 0, gam_s[T.max(SUB * I - 1, 0), d], T.float32(0))
-
-
 def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     BS = SUB
     NSUB = C // BS
@@ -213,11 +208,11 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
                 for r, d in T.Parallel(BS, K):
-                    ref = _row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     kp_s[r, d] = T.cast(
                         T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
                 for j, d in T.Parallel(C, K):
-                    ref = _row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     km_s[j, d] = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
@@ -369,7 +364,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 T.copy(DB[ic, ih, :, BS * I:BS * I + BS], abc_s)
                 # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
                 for d, j in T.Parallel(BK, C):
-                    ref = _row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     x = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E),
@@ -402,7 +397,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 for r, d in T.Parallel(BS, BK):
                     i = BS * I + r
                     gi = gam_s[i, d]
-                    ref = _row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     rowf = T.exp2((gi - ref) * LOG2E)
                     colf = T.exp2((gam_s[BS * I + BS - 1, d] - gi) * LOG2E)
                     Gi = T.exp2(gi * LOG2E)
@@ -480,7 +475,8 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C] bf16, dB[NC,H,C,C] bf16, dQg[NC,H,C,K] bf16,
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
-    threads: 256 measured 5.6 ms at S1 on an H200, 128 threads 6.4 ms (block_k 32: 5.7 ms).
+    threads: 256 measured 5.6 ms at S1 on an H200, 128 threads 6.4 ms (block_k 32 with 128 threads:
+    5.7 ms; with 256 its M = 16 GEMMs would leave each warp 4 columns).
     """
     block_k = min(block_k, K)
     if chunk_size % SUB or accum_dtype != "float32" or K % block_k:

@@ -259,7 +259,7 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
         stages: a dict to fill with the per-chunk intermediates ([B, H, N, C, *]: W, U, Qg, Kd, Aqk,
             eC, Hs, dHs, dAqk, dQg, dKd, deC, dW, dU, dB, dGk), dense inputs only; for kernel checks.
         dk_pieces: 0 (exact), or emulate the "dk" kernel's operands: dAqk and dB rounded to bf16
-            and the decayed factors split into this many bf16 pieces (the kernel: 2). Dense only.
+            and the decayed factors split into this many bf16 pieces (the kernel: 2).
     Returns:
         (dq, dk, dv, dg, dbeta, dh0) with the shapes of q, k, v, g, beta and [N, H, K, V].
     """
@@ -278,7 +278,7 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
     for i, (a, b) in enumerate(segs):
         sl = slice(a, b)
         res = _dense_bwd(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, h0[i : i + 1],
-                         do[:, sl], dht_[i : i + 1], chunk_size)
+                         do[:, sl], dht_[i : i + 1], chunk_size, dk_pieces=dk_pieces)
         for o_, r_ in zip(outs, res[:5]):
             o_[:, sl] = r_
         dh0[i] = res[5][0]

@@ -153,9 +153,11 @@ def build_bwd_state_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
     Raises:
         ValueError: an unknown walk, V not a multiple of block_v, or accum_dtype not float32.
     """
-    if walk not in WALKS or V % block_v or accum_dtype != "float32":
-        raise ValueError(f"walk must be one of {WALKS} (got {walk!r}), V={V} a multiple of "
-                         f"block_v={block_v}, accum_dtype float32 (got {accum_dtype})")
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+    if V % block_v or accum_dtype != "float32":
+        raise ValueError(f"V={V} must be a multiple of block_v={block_v} and accum_dtype float32 "
+                         f"(got {accum_dtype})")
     func = _bwd_state_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads, walk,
                            int(num_stages))
     return compile_kernel(func, name="kda_bwd_state")

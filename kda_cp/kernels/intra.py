@@ -32,14 +32,14 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, tf32_hi, tl_dtype
+from ._common import SUB, compile_kernel, sub_chunk_ref, tf32_hi, tl_dtype
 
 
 def _solve_macros(C, K, f32):
     """TileLang macros shared by both chunk-local kernels (fp32, CUDA cores).
 
     The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
-    the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.35 ms as loops,
+    the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.3 ms as loops,
     1.72 ms as loops with 256 threads).
 
     load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, one thread
@@ -99,9 +99,6 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     LOG2E = 1.4426950408889634
     load_cumsum, solve = _solve_macros(C, K, f32)
 
-    def row_ref(gam_s, I, d):  # r_I = gamma[BS I - 1], 0 for I = 0
-        return T.if_then_else(I > 0, gam_s[T.max(BS * I - 1, 0), d], T.float32(0))
-
     Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -151,14 +148,14 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             # C columns of km (zero past j >= BS*(I+1))
             for I in T.serial(NSUB):
                 for r, d in T.Parallel(BS, K):
-                    ref = row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     e = T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E)
                     kp_s[r, d] = T.cast(T.cast(k_s[BS * I + r, d], f32) * e, op)
                     qv = T.if_then_else(bos + BS * I + r < eos, Q[bos + BS * I + r, ih, d],
                                         T.cast(0, dtype))
                     qp_s[r, d] = T.cast(T.cast(qv, f32) * (e * scale), op)
                 for j, d in T.Parallel(C, K):
-                    ref = row_ref(gam_s, I, d)
+                    ref = sub_chunk_ref(gam_s, I, d)
                     km_s[j, d] = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), op),
@@ -260,12 +257,12 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
             # ---- L = Diag(beta) StrictTril(Akk), one 3xTF32 GEMM triple per row block ----
             for I in T.serial(NSUB):  # a loop, not unrolled (see _solve_macros)
                 for r, d in T.Parallel(BS, K):
-                    ref = T.if_then_else(I > 0, gam_s[T.max(BS * I - 1, 0), d], T.float32(0))
+                    ref = sub_chunk_ref(gam_s, I, d)
                     x = T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E)
                     kph_s[r, d] = tf32_hi(x)
                     kpl_s[r, d] = x - tf32_hi(x)
                 for j, d in T.Parallel(C, K):
-                    ref = T.if_then_else(I > 0, gam_s[T.max(BS * I - 1, 0), d], T.float32(0))
+                    ref = sub_chunk_ref(gam_s, I, d)
                     x = T.if_then_else(
                         j < BS * (I + 1),
                         T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), T.float32(0))
@@ -344,7 +341,7 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
         scale: the output scale folded into Qg and Aqk (static; part of the cache key).
         threads: per block; 256 (two warpgroups: fewer registers per thread, two blocks per SM)
-            measured 1.72 ms at S1 on an H200 against 2.29 ms with 128.
+            measured 1.72 ms at S1 on an H200 against 2.3 ms with 128.
         block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
             common factory signature.
     Returns:
