@@ -182,6 +182,16 @@ class Backend:
         because o is affine in h0. ``prepared`` as in ``bwd``, read and not consumed."""
         raise NotImplementedError
 
+    def keep_for_backward(self, prepared) -> tuple:
+        """The tensors of a ``prepare`` result worth keeping from the forward for ``bwd`` (autograd
+        saves them), or () where the backward recomputes everything."""
+        return ()
+
+    def restore_prepared(self, q, k, v, g, beta, kept: tuple, opts: KDAOptions, cu_seqlens=None):
+        """A ``prepared`` for ``state_grad`` / ``bwd`` from ``keep_for_backward``'s tensors (not
+        empty) and the forward's inputs as autograd hands them back."""
+        raise NotImplementedError
+
 
 class TorchBackend(Backend):
     """Chunked KDA in torch; backward by recomputing the forward under autograd."""
@@ -264,6 +274,13 @@ class TileLangBackend(Backend):
 
     def summary_prepared(self, prepared, opts, last_only):
         return self.kernels.chunk_kda_summary_prepared(prepared, last_only=last_only)
+
+    def keep_for_backward(self, prepared):
+        return () if prepared is None else self.kernels.keep_for_backward(prepared)
+
+    def restore_prepared(self, q, k, v, g, beta, kept, opts, cu_seqlens=None):
+        return self.kernels.restore_prepared(q, k, v, g, beta, kept, scale=opts.scale, cu_seqlens=cu_seqlens,
+                                             chunk_size=opts.chunk_size)
 
     def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
         from kda_cp.kernels.backward import chunk_kda_state_grad
@@ -348,8 +365,11 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, backend: Backend, opts: KDAOptions):
-        o, ht = backend.fwd(q, k, v, g, beta, h0, opts, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+        prepared = backend.prepare(q, k, v, g, beta, opts, cu_seqlens) if q.shape[1] > 0 else None
+        o, ht = backend.fwd(q, k, v, g, beta, h0, opts, cu_seqlens, prepared=prepared)
+        kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
+        del prepared
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, *kept)
         ctx.backend, ctx.opts = backend, opts
         if not opts.output_final_state:
             return o, None
@@ -358,8 +378,9 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        grads = ctx.backend.bwd(q, k, v, g, beta, h0, do, dht, ctx.opts, cu_seqlens)
+        q, k, v, g, beta, h0, cu_seqlens, *kept = ctx.saved_tensors
+        prepared = ctx.backend.restore_prepared(q, k, v, g, beta, kept, ctx.opts, cu_seqlens) if kept else None
+        grads = ctx.backend.bwd(q, k, v, g, beta, h0, do, dht, ctx.opts, cu_seqlens, prepared=prepared)
         return (
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
             grads.dbeta.to(beta.dtype), grads.dh0.to(h0.dtype), None, None, None,

@@ -7,16 +7,16 @@ Usage (on a Hopper GPU):
 For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0, 1);
 do ~ N(0, 1). Measured (median over --repeats of CUDA-event timings, after warm-up):
 
-  kda_cp  fwd_ms        kda_cp.kernels.chunk_kda_fwd alone
-          fwd_bwd_ms    chunk_kda_fwd followed by kda_cp.kernels.backward.chunk_kda_bwd (a training step's
-                        work: the backward recomputes everything from the inputs)
-          bwd_ms        chunk_kda_bwd alone
-          state_grad_ms chunk_kda_state_grad (the CP reverse pass, dht = 0)
-          held_MiB      memory held between forward and backward beyond the inputs (o only: the
-                        forward saves nothing else)
+  kda_cp  kda_cp.chunk_kda(..., backend="tilelang", check_gate=False) under autograd, as a user calls it:
+          fwd_ms        the forward without autograd (no_grad: nothing kept)
+          fwd_bwd_ms    forward, then torch.autograd.grad of <o, do> (a training step's work)
+          bwd_ms        the backward alone (autograd.grad on a kept graph)
+          state_grad_ms kda_cp.kernels.backward.chunk_kda_state_grad (the CP reverse pass, dht = 0,
+                        from the inputs)
+          held_MiB      memory held between forward and backward: allocated after the forward minus
+                        before, o and the tensors autograd keeps included
           peak_MiB      allocator peak during fwd+bwd above the memory in use before it
   fla     the same for fla.ops.kda.chunk_kda(..., safe_gate=True, lower_bound=-5) under autograd
-          (held_MiB: allocated after the forward minus before, o and saved tensors included)
 
 fla's Triton autotuning (and its TileLang kernel's compile) run once, in an untimed warm-up step per
 shape, before anything of fla is timed (reported as fla.warmup_s). With --profile, a torch.profiler
@@ -80,29 +80,36 @@ def rel(a, b):
 
 
 def bench_shape(s, repeats, fla_chunk_kda, profile=False):
-    from kda_cp.kernels import chunk_kda_fwd
-    from kda_cp.kernels.backward import chunk_kda_bwd, chunk_kda_state_grad
+    from kda_cp import chunk_kda
+    from kda_cp.kernels.backward import chunk_kda_state_grad
 
     q, k, v, g, beta, do = make_inputs(**s, with_do=True)
     scale = s["K"] ** -0.5
     row = dict(s)
+    mine = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 
-    def fwd():
-        return chunk_kda_fwd(q, k, v, g, beta, scale=scale)[0]
-
-    def bwd():
-        return chunk_kda_bwd(q, k, v, g, beta, scale=scale, do=do)
+    def kda_fwd(*xs):  # the public op on the TileLang backend; the gate check off, as fla has none
+        return chunk_kda(*xs, scale=scale, backend="tilelang", check_gate=False)[0]
 
     def step():
-        o = fwd()
-        return o, bwd()
+        o = kda_fwd(*mine)
+        return o, torch.autograd.grad(o, mine, do)
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    o = kda_fwd(*mine)
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - before) / MiB
+    with torch.no_grad():
+        f_ms = time_ms(lambda: kda_fwd(q, k, v, g, beta), repeats)
+
+    def bwd():  # the backward alone, on the graph of the forward above
+        return torch.autograd.grad(o, mine, do, retain_graph=True)
 
     row["kda_cp"] = dict(
-        fwd_ms=time_ms(fwd, repeats), bwd_ms=time_ms(bwd, repeats), fwd_bwd_ms=time_ms(step, repeats),
+        fwd_ms=f_ms, bwd_ms=time_ms(bwd, repeats), fwd_bwd_ms=time_ms(step, repeats),
         state_grad_ms=time_ms(lambda: chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do), repeats),
-        held_MiB=v.numel() * v.element_size() / MiB,  # o; the forward saves only its inputs
-        peak_MiB=peak_above_base(step))
-    print("kda_cp", json.dumps(row["kda_cp"]), flush=True)
+        held_MiB=held)
     if profile:
         row["profile"] = {"kda_cp_bwd": kernel_table(bwd),
                           "kda_cp_state_grad": kernel_table(
@@ -110,6 +117,9 @@ def bench_shape(s, repeats, fla_chunk_kda, profile=False):
         print_table("kda_cp backward", row["profile"]["kda_cp_bwd"])
         print_table("kda_cp state gradient", row["profile"]["kda_cp_state_grad"])
     ours = bwd()
+    del o
+    row["kda_cp"]["peak_MiB"] = peak_above_base(step)
+    print("kda_cp", json.dumps(row["kda_cp"]), flush=True)
     if fla_chunk_kda is not None:
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 

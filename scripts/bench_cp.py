@@ -4,8 +4,9 @@ On one device this times what a middle rank of a CP group computes, against the 
 
     CP forward  = chunk-local half of the forward (prepare) + summary from it + scan over P gathered
                   pairs + state pass from the true state (reusing the prepared tensors)
-    CP backward = prepare + state gradient (dht = 0) + reverse scan + backward from the true state
-                  (state gradient and backward share the prepared tensors)
+    CP backward = what the forward kept of the prepared tensors (the rest remade, or everything
+                  recomputed on a backend that keeps nothing) + state gradient (dht = 0) + reverse
+                  scan + backward from the true state (state gradient and backward share them)
 as cp_chunk_kda runs them on a rank that summarises its shard (kda_cp/parallel/cp.py).
     ratio       = CP time / plain local forward (or forward+backward) time
 
@@ -54,22 +55,28 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
     def plain_fwd():
         return backend.fwd(q, k, v, g, beta, zero, opts)
 
-    def plain_fwd_bwd():
-        plain_fwd()
-        return backend.bwd(q, k, v, g, beta, zero, do, zero, opts)
+    def for_backward(kept):  # what ChunkKDAFunction / CPChunkKDAFunction hand to the backward
+        return backend.restore_prepared(q, k, v, g, beta, kept, opts) if kept else None
 
-    def cp_fwd():
+    def plain_fwd_bwd():  # as ChunkKDAFunction runs it: the forward keeps part of its chunk-local tensors
+        prepared = backend.prepare(q, k, v, g, beta, opts)
+        backend.fwd(q, k, v, g, beta, zero, opts, prepared=prepared)
+        kept = backend.keep_for_backward(prepared)
+        del prepared
+        return backend.bwd(q, k, v, g, beta, zero, do, zero, opts, prepared=for_backward(kept))
+
+    def cp_fwd(keep=False):
         prepared = backend.prepare(q, k, v, g, beta, opts)
         M, St = backend.summary_prepared(prepared, opts, last_only=False)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, St.to(sdt)
         s_in = scan.prefix_at(maps, rank).S  # what cp_chunk_kda computes after the all-gather
         backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
-        return M, s_in
+        return M, s_in, backend.keep_for_backward(prepared) if keep else ()
 
     def cp_fwd_bwd():
-        M, s_in = cp_fwd()
-        prepared = backend.prepare(q, k, v, g, beta, opts)
+        M, s_in, kept = cp_fwd(keep=True)
+        prepared = for_backward(kept) or backend.prepare(q, k, v, g, beta, opts)
         G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, G

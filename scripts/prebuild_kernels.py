@@ -14,7 +14,7 @@ import time
 
 from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
 from kda_cp.kernels.bwd_state import build_bwd_state_kernel
-from kda_cp.kernels.intra import build_intra_kernel, build_intra_summary_kernel
+from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel
 from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
 
 
@@ -44,6 +44,7 @@ def main():
                 "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
                 "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
                 "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),
+                "bwd decay (Qg, Kd)": lambda: build_decay_kernel(None, K, C, dt, scale=scale),
             })
         for name, build in builds.items():
             t = time.time()

@@ -142,6 +142,40 @@ def test_prepared_is_shared_by_state_grad_and_bwd():
                                prepared=prep)
 
 
+def test_forward_keeps_part_of_the_chunk_local_tensors():
+    """chunk_kda's autograd keeps W, U, Aqk, eC from the forward and remakes Qg, Kd in the backward:
+    the gradients equal those of the backward that recomputes everything, bitwise (packed sequences,
+    h0 and dht), also on a second backward over the same graph; the remade Qg, Kd
+    equal the chunk-local kernel's bitwise."""
+    from kda_cp import chunk_kda
+
+    lens = [300, 17, 500, 64, 29]
+    H, K = 3, 128
+    T = sum(lens)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, g, beta, do, h0, dht = make(1, T, H, K, K, len(lens))
+    scale = K ** -0.5
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, ht = chunk_kda(*leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True,
+                      cu_seqlens=cu, backend="tilelang")
+    ref = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, cu_seqlens=cu)
+    for attempt in range(2):
+        got = torch.autograd.grad((o, ht), leaves, (do, dht), retain_graph=True)
+        for name, x, y in zip(NAMES, got, ref):
+            assert torch.equal(x, y.to(x.dtype)), f"{name} differs (backward {attempt}) with the kept tensors"
+    full = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu)
+    kept = kernels.keep_for_backward(full)
+    assert len(kept) == 4
+    thin = kernels.restore_prepared(q, k, v, g, beta, kept, scale=scale, cu_seqlens=cu)
+    assert thin.tensors[2] is None and thin.tensors[3] is None
+    backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do, cu_seqlens=cu, prepared=thin)
+    for i, name in ((2, "Qg"), (3, "Kd")):
+        assert torch.equal(thin.tensors[i], full.tensors[i]), f"remade {name} differs from the chunk-local kernel's"
+    with pytest.raises(ValueError, match="backward keeps"):
+        kernels.chunk_kda_summary_prepared(kernels.restore_prepared(q, k, v, g, beta, kept, scale=scale,
+                                                                    cu_seqlens=cu))
+
+
 def test_varlen_padding_zeros():
     """Packed sequences with per-sequence h0/dht and a padding tail past cu_seqlens[-1]."""
     lens = [15, 241, 0, 500, 64, 47]

@@ -7,6 +7,7 @@ Public API (wired into ``kda_cp.ops.chunk_kda`` by ops.py):
     chunk_kda_summary(k, v, g, beta, *, chunk_size=64, g_min=-5.0) -> (M, S_tilde)
     chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale, cu_seqlens, ...) -> PreparedForward
     chunk_kda_summary_prepared(prepared, *, last_only=False) -> (M, S_tilde)
+    keep_for_backward(prepared) -> (W, U, Aqk, eC);  restore_prepared(q, k, v, g, beta, kept, ...)
     is_supported(q, k, v, g, beta, cu_seqlens=None) -> (bool, reason)
 
 Recurrence (DESIGN.md §1), per batch element / sequence and head, log decay g in natural log:
@@ -25,7 +26,7 @@ import torch
 from ._common import build_chunk_tables
 
 __all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary",
-           "chunk_kda_summary_prepared", "is_supported", "SUPPORTED_HEAD_DIMS"]
+           "chunk_kda_summary_prepared", "keep_for_backward", "restore_prepared", "is_supported", "SUPPORTED_HEAD_DIMS"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -184,6 +185,14 @@ def _prepared_tensors(prepared, who, q, k, v, g, beta, scale, chunk_size, cu_seq
     if prepared.key != key:
         raise ValueError(f"{who}: `prepared` was made for other inputs (tensors, shapes, dtype, scale, "
                          f"chunk size or cu_seqlens): {prepared.key} vs {key}")
+    W, U, Qg, Kd, Aqk, Ec, tables = prepared.tensors
+    if Qg is None:  # kept by the forward for the backward (keep_for_backward): remake Qg, Kd
+        from .intra import build_decay_kernel
+        B, T, H, K = q.shape
+        Qg, Kd = torch.empty_like(W), torch.empty_like(W)
+        build_decay_kernel(None, K, chunk_size, _tl_name(q.dtype), scale=float(scale))(
+            q.view(B * T, H, K), k.view(B * T, H, K), g.view(B * T, H, K), tables.chunk_table, Qg, Kd)
+        prepared.tensors = (W, U, Qg, Kd, Aqk, Ec, tables)
     tensors = prepared.tensors
     if consume:
         prepared.tensors = None
@@ -200,6 +209,37 @@ class PreparedForward:
 
     tensors: tuple
     key: tuple
+
+
+def keep_for_backward(prepared: PreparedForward) -> tuple:
+    """What the forward keeps for the backward out of ``prepared``: (W, U, Aqk, eC).
+
+    The backward's walks also need Qg and Kd, which the backward remakes from q, k, g with a cheap
+    kernel (gate cumsum and elementwise work, no GEMM); W, U (the triangular solve) and Aqk (the
+    decayed products) are the expensive part. Per token and head this holds K + V + C values in the
+    input dtype plus K / C in fp32: 648 MiB at T = 32768, H = 32, K = V = 128 in bf16 (with the
+    output o, 904 MiB; flash-linear-attention's chunk_kda holds 1024 MiB there, both measured by
+    scripts/bench_backward.py). Raises ValueError if ``prepared`` was already consumed."""
+    if prepared.tensors is None:
+        raise ValueError("keep_for_backward: `prepared` was already consumed by chunk_kda_bwd")
+    W, U, _, _, Aqk, Ec, _ = prepared.tensors
+    return W, U, Aqk, Ec
+
+
+def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, chunk_size: int = 64
+                     ) -> PreparedForward:
+    """A :class:`PreparedForward` for the backward from :func:`keep_for_backward`'s tensors and the
+    forward's inputs as autograd hands them back (they may be other tensors than the forward's,
+    e.g. after activation checkpointing or offloading; the key is taken from these). Qg and Kd are
+    remade by the first consumer (chunk_kda_state_grad or chunk_kda_bwd)."""
+    B, T = q.shape[:2]
+    W, U, Aqk, Ec = kept
+    tables = build_chunk_tables(B, T, cu_seqlens, chunk_size, q.device)
+    if W.shape[0] != tables.num_chunks:
+        raise ValueError(f"restore_prepared: kept tensors for {W.shape[0]} chunks, the inputs have "
+                         f"{tables.num_chunks}")
+    return PreparedForward((W, U, None, None, Aqk, Ec, tables),
+                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
 
 
 def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
@@ -229,14 +269,19 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
                            _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
 
 
-def _summary_pieces(dev, rows, H, K, V, num_chunks):
+def _summary_pieces(dev, rows, H, K, V, num_chunks, per_sm):
     """Into how many pieces to cut each sequence for the summary: the state kernel runs one block
-    per (piece, head, 64 of the V + K columns), one per SM; with fewer blocks than SMs, cutting
-    each sequence into p pieces (at least 16 chunks each on average) puts p times as many to work.
-    Measured on an H200 at S3 (T=131072, H=16, 64 blocks): 10.1 ms whole, 5.25 ms in 2 pieces."""
+    per (piece, head, 64 of the V + K columns), up to ``per_sm`` of them at once on an SM. When the
+    blocks leave at least half the SMs idle, cutting each sequence into p pieces (at least 16 chunks
+    each on average) puts p times as many to work, up to ``per_sm`` per SM. H200, 132 SMs, bf16
+    operands (two blocks per SM): T=131072, H=16 (64 blocks) 6.40 / 3.43 / 2.98 ms whole / in 2 / in 4
+    pieces; T=32768, H=32 (128 blocks) 1.68 / 1.73 / 1.76 ms, so no cut there (TF32 operands, one
+    block per SM: 10.1 ms whole, 5.25 ms in 2 pieces at T=131072)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = max(1, rows * H * ((V + K) // 64))
-    return max(1, min(sms // blocks, num_chunks // (16 * max(rows, 1))))
+    if 2 * blocks > sms:
+        return 1
+    return max(1, min(sms * per_sm // blocks, num_chunks // (16 * max(rows, 1))))
 
 
 def _piece_table(seq, pieces):
@@ -250,7 +295,7 @@ def _piece_table(seq, pieces):
     return out.view(-1, 4)
 
 
-def _summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None):
+def _summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None, operands="bf16x2"):
     """Run the summary state kernel over the sequences of `seq` ([N, 4] int32 on the device):
     (M [N, H, K, K], S~ [N, H, K, V]) fp32. W is [NC, H, C, K] (fp32: Kd is Kd^T [NC, H, K, C]).
     With pieces > 1 each sequence is cut at chunk boundaries into that many parts, summarised in
@@ -261,9 +306,12 @@ def _summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None):
     _, H, C, K = W.shape
     V = U.shape[-1]
     rows = seq.shape[0]
-    p = _summary_pieces(W.device, rows, H, K, V, num_chunks) if pieces is None else pieces
+    # bf16 operand tiles: two blocks fit an SM (state.py)
+    per_sm = 2 if W.dtype == torch.bfloat16 and operands == "bf16x2" else 1
+    p = _summary_pieces(W.device, rows, H, K, V, num_chunks, per_sm) if pieces is None else pieces
     SM = torch.empty(rows * p, H, K, V + K, device=W.device, dtype=torch.float32)
-    build_summary_kernel(None, K, V, C, dtype=_tl_name(W.dtype))(W, U, Kd, Ec, seq if p == 1 else _piece_table(seq, p), SM)
+    build_summary_kernel(None, K, V, C, dtype=_tl_name(W.dtype), operands=operands)(
+        W, U, Kd, Ec, seq if p == 1 else _piece_table(seq, p), SM)
     SM = SM.view(rows, p, H, K, V + K)
     acc = scan.AffineMap(SM[:, 0, ..., V:], SM[:, 0, ..., :V])
     for i in range(1, p):
@@ -291,8 +339,10 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
         sequence gets (I, 0).
     With ``last_only`` the launch is sized for that one sequence (cut into more pieces), so its map
     may differ from the full call's last row by fp32 rounding.
-    Numerics: the state and V' are split into TF32 head + tail and W, Kd are exact in TF32, so every
-        product (and so the chain of M) is carried at fp32 accuracy (2xTF32). The factors
+    Numerics: W and Kd are exact as operands and the state and V' are split into two pieces (bf16
+        input: two bf16 pieces, bf16 MMAs; fp16: two TF32 pieces), so every product (and so the
+        chain of M) is carried at fp32-level accuracy: within ~1e-5 relative of the same chain in
+        fp64 on the same tensors (tests/test_kernels_gpu.py). The factors
         Diag(eC) - Kd^T W themselves are the forward's: W and Kd rounded to the input dtype, as the
         single-device forward applies them. So M is as accurate as the forward's own state (relative
         RMS vs fp64 ~1e-3 to 3e-3 for bf16, growing slowly with the number of chunks), not as
@@ -301,6 +351,9 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     if prepared.tensors is None:
         raise ValueError("chunk_kda_summary_prepared: `prepared` was already consumed by chunk_kda_bwd")
     W, U, _, Kd, _, Ec, tables = prepared.tensors
+    if Kd is None:
+        raise ValueError("chunk_kda_summary_prepared: `prepared` holds only what the backward keeps "
+                         "(restore_prepared); pass chunk_kda_fwd_prepare's result")
     seq = tables.seq_table[-1:] if last_only else tables.seq_table
     return _summary_run(W, U, Kd, Ec, seq, tables.num_chunks)
 

@@ -9,16 +9,20 @@ Public API (to be wired into ``kda_cp.ops.TileLangBackend`` by ops.py):
 
 Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against autograd):
 
-1. intra.py (the forward's kernel): recompute W, U, Qg, Kd, Aqk, eC per chunk from q, k, v, g, beta.
+1. W, U, Aqk, eC per chunk from the forward (``prepared``, as chunk_kda's autograd keeps them;
+   intra.py's decay kernel remakes Qg, Kd from q, k, g), or all six recomputed by intra.py's
+   chunk-local kernel when no ``prepared`` is given.
 2. bwd_state.py, two launches: the forward walk storing each chunk's start state Hs; the reverse
    walk storing each chunk's end-state gradient dHs and the initial state's gradient dh0.
 3. bwd_intra.py "dv": V', dV' and the gradients of Aqk, Qg, Kd, eC, W, U.
 4. bwd_intra.py "ut": the UT transform's backward: dv, dbeta, dB, dGk.
 5. bwd_intra.py "dk": the decayed products' backward; dq, dk, dg.
 
-What the forward keeps for the backward: only its inputs (q, k, v, g, beta, h0), which ops.py's
-autograd already saves; everything else is recomputed here. So the memory held between forward and
-backward is the inputs alone, no more than flash-linear-attention's (which keeps at least as much).
+What the forward keeps for the backward (ops.py's autograd; kernels.keep_for_backward): its inputs
+and W, U, Aqk in the input dtype and eC in fp32, (K + V + C) values per token and head plus K / C:
+with o, 906 MiB at S1 (T = 32768, H = 32, K = V = 128, bf16) against flash-linear-attention's
+1024 MiB, measured by scripts/bench_backward.py. Qg and Kd (another 2K per token and head) are
+remade by a cheap kernel (0.42 ms at S1) instead of the chunk-local kernel (1.7 ms).
 Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk (C in
 the input dtype), dAqk, dB (2 x C in bf16), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16), and per
 chunk Hs, dHs (2 x K x V in the input dtype); they are freed as soon as the next stage no longer
@@ -85,8 +89,10 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
         cu_seqlens: [N + 1] int32/int64 packed-sequence offsets (B == 1), read once on the host.
             Tokens past cu_seqlens[-1] get exact zero gradients.
         chunk_size: 64. g_min: declared gate bound in [-5, 0) (relied on, not checked).
-        prepared: :func:`kda_cp.kernels.chunk_kda_fwd_prepare`'s result for these very inputs (then
-            stage 1 is skipped), or None. It is consumed: its tensors are freed stage by stage.
+        prepared: :func:`kda_cp.kernels.chunk_kda_fwd_prepare`'s result for these very inputs, or
+            :func:`kda_cp.kernels.restore_prepared`'s from what the forward kept (then stage 1 only
+            remakes Qg, Kd), or None (stage 1 recomputes everything). It is consumed: its tensors
+            are freed stage by stage.
     Returns:
         (dq [B,T,H,K], dk [B,T,H,K], dv [B,T,H,V] in q's dtype; dg [B,T,H,K] fp32;
          dbeta [B,T,H] in beta's dtype; dh0 [N,H,K,V] fp32).

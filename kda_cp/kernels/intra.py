@@ -329,6 +329,67 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
     return compile_kernel(func, name="kda_intra_summary")
 
 
+def _decay_func(H, K, C, dtype, f32, scale):
+    LOG2E = 1.4426950408889634
+    Hn = T.dynamic("H") if H is None else H
+    TT = T.dynamic("TT")
+    NC = T.dynamic("NC")
+
+    @T.prim_func
+    def kda_decay_fwd(
+        Q: T.Tensor([TT, Hn, K], dtype),
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        Qg_out: T.Tensor([NC, Hn, C, K], dtype),
+        Kd_out: T.Tensor([NC, Hn, C, K], dtype),
+    ):
+        with T.Kernel(NC, Hn, threads=K) as (ic, ih):
+            tx = T.get_thread_binding()
+            bos = Table[ic, 0]
+            eos = Table[ic, 1]
+            gam_s = T.alloc_shared([C, K], f32)
+            acc = T.alloc_local([C], f32)
+            T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
+            # the scan of kda_intra_fwd's load_cumsum, same order of additions, but thread d first
+            # loads its whole column into registers (independent loads), then adds in a register chain
+            for i in T.unroll(C):
+                acc[i] = T.if_then_else(bos + i < eos, gam_s[i, tx], T.float32(0))
+            for i in T.unroll(1, C):
+                acc[i] = acc[i - 1] + acc[i]
+            for i in T.unroll(C):
+                gam_s[i, tx] = acc[i]
+            # the same expressions as kda_intra_fwd's, so the values are bitwise the same
+            for i, d in T.Parallel(C, K):
+                qv = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
+                kv = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+                Qg_out[ic, ih, i, d] = T.cast(T.cast(qv, f32) * scale * T.exp2(gam_s[i, d] * LOG2E), dtype)
+                Kd_out[ic, ih, i, d] = T.cast(
+                    T.cast(kv, f32) * T.exp2((gam_s[C - 1, d] - gam_s[i, d]) * LOG2E), dtype)
+
+    return kda_decay_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale):
+    """Compile the decayed-q/k kernel: Qg and Kd of :func:`build_intra_kernel` alone (T dynamic).
+
+    The backward's state walks need Qg = scale * q * exp(gamma) and Kd = k * exp(gamma_last -
+    gamma) per chunk; the forward keeps W, U, Aqk, eC for the backward but not these two, which
+    this kernel remakes from q, k, g (a gate cumsum and elementwise work, no GEMM), bitwise equal
+    to the chunk-local kernel's.
+
+    Args: as :func:`build_intra_kernel` (H None: runtime heads). Returns kernel(q[TT,H,K],
+    k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, Qg[NC,H,C,K], Kd[NC,H,C,K]); the last two are
+    written (rows past a sequence end as zeros).
+    """
+    if chunk_size % SUB or accum_dtype != "float32":
+        raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
+                         f"{chunk_size}, {accum_dtype}")
+    func = _decay_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale))
+    return compile_kernel(func, name="kda_decay_fwd")
+
+
 @functools.lru_cache(maxsize=None)
 def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, scale,
                        block_k=None, block_v=None, threads=256, num_stages=1):

@@ -17,8 +17,9 @@ Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
      of one (M, S) pair per rank costs;
   3. the ordinary chunk forward of the shard's segments from their true incoming states.
 Backward on rank r, with D_r = dL/dS_out^r (gradient of the state leaving the shard):
-  0. the chunk-local half recomputed once and shared by steps 1 and 3, where step 1 covers the
-     whole shard (``_backward_prepare``; the forward does not keep it, to hold no more memory);
+  0. the chunk-local half, shared by steps 1 and 3: what the forward kept of it
+     (``Backend.keep_for_backward``: the TileLang backend keeps W, U, Aqk, eC and remakes Qg, Kd),
+     or else recomputed once where step 1 covers the whole shard (``_backward_prepare``);
   1. G_r = gradient of the shard's incoming state from its own outputs (and the final states
      of sequences that end inside it), with no gradient at the shard's end;
   2. exchange (M^T, G): D_r is the reverse exclusive scan of x -> M_j^T x + G_j over j > r,
@@ -164,17 +165,22 @@ def _unused_pair(plan, k, v, sdt) -> scan.AffineMap:
     return scan.AffineMap(k.new_zeros(n, H, K, K, dtype=sdt), k.new_zeros(n, H, K, V, dtype=sdt))
 
 
+def _cu_local(plan, device):
+    """The shard's local packed-sequence offsets, or None for a dense shard."""
+    return None if plan.segs is None else plan.segs.local_cu_seqlens(device)
+
+
 def _shard_prepare(backend, opts, plan, q, k, v, g, beta):
     """The state-independent half of the local forward (gates, decayed products, UT transform),
     shared by the summary, the forward, the state gradient and the backward of the shard."""
-    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    cu_local = _cu_local(plan, q.device)
     return backend.prepare(q, k, v, g, beta, opts, cu_local)
 
 
 def _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared=None):
     """Forward 3: the local chunk forward from the true incoming states -> (o, ht, h0_local)."""
     h0_local = _local_h0(h0, s_in, plan)
-    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    cu_local = _cu_local(plan, q.device)
     o, ht = backend.fwd(q, k, v, g, beta, h0_local, opts, cu_local, prepared=prepared)
     return o, ht, h0_local
 
@@ -206,7 +212,7 @@ def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, 
     G = torch.zeros_like(h0_local[:1] if segs is not None else h0_local)
     if plan.first_continues:
         if segs is None or segs.num_segments == 1:
-            cu_local = None if segs is None else segs.local_cu_seqlens(q.device)
+            cu_local = _cu_local(plan, q.device)
             G = backend.state_grad(q, k, v, g, beta, do, opts, cu_local, prepared=prepared).to(sdt)
         else:  # the first segment ends inside the shard, with its sequence's final-state gradient
             n = segs.cu_seqlens[1]
@@ -219,9 +225,12 @@ def _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, 
     return G
 
 
-def _backward_prepare(backend, opts, plan, q, k, v, g, beta):
-    """The chunk-local tensors for the state gradient and the backward of the shard, computed once
-    for both, where the state gradient runs over the whole shard; else None (each recomputes)."""
+def _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept=()):
+    """The chunk-local tensors for the state gradient and the backward of the shard: from what the
+    forward kept (``Backend.keep_for_backward``), else computed once for both where the state
+    gradient runs over the whole shard; else None (each recomputes)."""
+    if kept:
+        return backend.restore_prepared(q, k, v, g, beta, kept, opts, _cu_local(plan, q.device))
     if plan.first_continues and (plan.segs is None or plan.segs.num_segments == 1):
         return _shard_prepare(backend, opts, plan, q, k, v, g, beta)
     return None
@@ -242,7 +251,7 @@ def _end_dht(plan, suffix, dfinal, dht, like) -> torch.Tensor:
 
 def _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared=None):
     """Backward 3: the local chunk backward -> (grads, this shard's rows of dh0 or None)."""
-    cu_local = None if plan.segs is None else plan.segs.local_cu_seqlens(q.device)
+    cu_local = _cu_local(plan, q.device)
     grads = backend.bwd(q, k, v, g, beta, h0_local, do, dht, opts, cu_local, prepared=prepared)
     if not plan.has_h0:
         return grads, None
@@ -266,7 +275,8 @@ class CPChunkKDAFunction(torch.autograd.Function):
         h0 = h0.to(sdt)
         role = _summary_role(plan, opts)
         if role == "forward_first":
-            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None)
+            prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
+            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None, prepared)
             pair = _handover_pair(plan, ht, sdt)
             _exclusive(pair, plan, group, reverse=False)  # takes part; nothing flows in
         elif role == "unused":
@@ -274,14 +284,16 @@ class CPChunkKDAFunction(torch.autograd.Function):
             pair = _unused_pair(plan, k, v, sdt)
             s_in = _exclusive(pair, plan, group, reverse=False,
                               overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
-            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared[0])
+            prepared = prepared[0]
+            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
         else:  # the summary derives from the chunk-local tensors, which the forward then reuses
             prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
             pair = _shard_pair(backend, opts, plan, prepared, h0)
             s_in = _exclusive(pair, plan, group, reverse=False).S
             o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
-            del prepared
-        ctx.save_for_backward(q, k, v, g, beta, h0_local)
+        kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
+        del prepared
+        ctx.save_for_backward(q, k, v, g, beta, h0_local, *kept)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
         if not opts.output_final_state:
             return o, None
@@ -291,7 +303,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dfinal):
-        q, k, v, g, beta, h0_local = ctx.saved_tensors
+        q, k, v, g, beta, h0_local, *kept = ctx.saved_tensors
         group, backend, opts, plan = ctx.group, ctx.backend, ctx.opts, ctx.plan
         if opts.output_final_state and dfinal is not None:
             # The final states are replicated on every rank: their gradient is the sum over ranks.
@@ -299,7 +311,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         else:
             dfinal = None
         dht = _inner_dht(plan, dfinal, h0_local)
-        prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta)
+        prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept)
         G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal, prepared)
         suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
         dht = _end_dht(plan, suffix, dfinal, dht, G)
@@ -522,20 +534,20 @@ def cp_chunk_kda_in_one_process(
     outs, pairs, preps = [None] * world_size, [], [None] * world_size
     for r in range(world_size):  # the same roles as the distributed op (_summary_role)
         role = _summary_role(plans[r], opts)
+        preps[r] = _shard_prepare(impl, opts, plans[r], *ins[r])
         if role == "forward_first":
-            outs[r] = _shard_forward(impl, opts, plans[r], *ins[r], h0, None)
+            outs[r] = _shard_forward(impl, opts, plans[r], *ins[r], h0, None, preps[r])
             pairs.append(_handover_pair(plans[r], outs[r][1], sdt))
         elif role == "unused":
             pairs.append(_unused_pair(plans[r], ins[r][1], ins[r][2], sdt))
         else:
-            preps[r] = _shard_prepare(impl, opts, plans[r], *ins[r])
             pairs.append(_shard_pair(impl, opts, plans[r], preps[r], h0))
     maps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs]))
     for r in range(world_size):  # every shard's prepared tensors are alive here, as on P ranks
         # each rank's own fold of the gathered pairs, as cp_chunk_kda computes it after an all-gather
         s_in = scan.prefix_at(maps, r, scan_method).S
         outs[r] = outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, s_in, preps[r])
-        preps[r] = None
+        preps[r] = impl.keep_for_backward(preps[r])  # what the backward need not recompute
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
@@ -543,7 +555,7 @@ def cp_chunk_kda_in_one_process(
     dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
     dos = [shard(do, r) for r in range(world_size)]
     dhts = [_inner_dht(plans[r], dfin, outs[r][2]) for r in range(world_size)]
-    preps = [_backward_prepare(impl, opts, plans[r], *ins[r]) for r in range(world_size)]
+    preps = [_backward_prepare(impl, opts, plans[r], *ins[r], preps[r]) for r in range(world_size)]
     Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin, preps[r])
           for r in range(world_size)]
     tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs))
