@@ -325,15 +325,18 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             k0 = ik * BK
+            tx = T.get_thread_binding()
             gam_s = T.alloc_shared([C, GP], f32)
             dgam_s = T.alloc_shared([C, BK], f32)
             k_s = T.alloc_shared([C, XP], dtype)
             q_s = T.alloc_shared([C, XP], dtype)
-            # dM slices of sub-chunk I (bf16): rows of dAqk and dB, and their columns
-            aq_s = T.alloc_shared([BS, C], MID)
-            ab_s = T.alloc_shared([BS, C], MID)
-            aqc_s = T.alloc_shared([C, BS], MID)
-            abc_s = T.alloc_shared([C, BS], MID)
+            # the chunk's dAqk and dB (bf16), read once; each sub-chunk takes its rows and columns
+            daq_s = T.alloc_shared([C, C], MID)
+            dab_s = T.alloc_shared([C, C], MID)
+            # the assembly's inputs, read once with the others (one global round trip, not one per sub-chunk)
+            dqg_s = T.alloc_shared([C, BK], MID)
+            dkd_s = T.alloc_shared([C, BK], MID)
+            dgk_s = T.alloc_shared([C, BK], MID)
             # factor operand [channel, token], split into two bf16 pieces
             fh_s = T.alloc_shared([BK, C], MID)
             fl_s = T.alloc_shared([BK, C], MID)
@@ -341,27 +344,32 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             rk_f = T.alloc_fragment([BS, BK], f32)
             cq_f = T.alloc_fragment([BS, BK], f32)
             ck_f = T.alloc_fragment([BS, BK], f32)
+
             pk_f = T.alloc_fragment([BS, BK], f32)  # running sum over rows of Kd * dKd
             last_f = T.alloc_fragment([BK], f32)
             last_s = T.alloc_shared([BK], f32)
+            acc = T.alloc_local([C], f32)  # one channel's column, in registers (threads < BK)
 
+            T.copy(DAqk[ic, ih, :, :], daq_s)
+            T.copy(DB[ic, ih, :, :], dab_s)
+            T.copy(DQg[ic, ih, :, k0:k0 + BK], dqg_s)
+            T.copy(DKd[ic, ih, :, k0:k0 + BK], dkd_s)
+            T.copy(DGk[ic, ih, :, k0:k0 + BK], dgk_s)
             for i, d in T.Parallel(C, BK):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + d], T.float32(0))
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, k0 + d], T.cast(0, dtype))
                 q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, k0 + d], T.cast(0, dtype))
             T.clear(pk_f)
-            for d in T.Parallel(BK):  # chunk-local cumsum: one thread per channel, in a register
-                acc = T.alloc_local([1], f32)
-                acc[0] = T.float32(0)
-                for i in T.serial(C):
-                    acc[0] += gam_s[i, d]
-                    gam_s[i, d] = acc[0]
+            # chunk-local cumsum: thread d < BK loads its channel's gates into registers (independent
+            # loads), adds them in a register chain, then stores the column
+            if tx < BK:
+                for i in T.unroll(C):
+                    acc[i] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + tx], T.float32(0))
+                for i in T.unroll(1, C):
+                    acc[i] = acc[i - 1] + acc[i]
+                for i in T.unroll(C):
+                    gam_s[i, tx] = acc[i]
 
             for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
-                T.copy(DAqk[ic, ih, BS * I:BS * I + BS, :], aq_s)
-                T.copy(DB[ic, ih, BS * I:BS * I + BS, :], ab_s)
-                T.copy(DAqk[ic, ih, :, BS * I:BS * I + BS], aqc_s)
-                T.copy(DB[ic, ih, :, BS * I:BS * I + BS], abc_s)
                 # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
                 for d, j in T.Parallel(BK, C):
                     ref = sub_chunk_ref(gam_s, I, d)
@@ -372,10 +380,10 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                     xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
                     fh_s[d, j] = xh
                     fl_s[d, j] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(aq_s, fh_s, rq_f, transpose_B=True, clear_accum=True)
-                T.gemm(aq_s, fl_s, rq_f, transpose_B=True)
-                T.gemm(ab_s, fh_s, rk_f, transpose_B=True, clear_accum=True)
-                T.gemm(ab_s, fl_s, rk_f, transpose_B=True)
+                T.gemm(daq_s[BS * I:BS * I + BS, :], fh_s, rq_f, transpose_B=True, clear_accum=True)
+                T.gemm(daq_s[BS * I:BS * I + BS, :], fl_s, rq_f, transpose_B=True)
+                T.gemm(dab_s[BS * I:BS * I + BS, :], fh_s, rk_f, transpose_B=True, clear_accum=True)
+                T.gemm(dab_s[BS * I:BS * I + BS, :], fl_s, rk_f, transpose_B=True)
                 # ---- column side: columns of sub-chunk I; factor x_i exp(gamma_i - s_I), i >= 16 I ----
                 for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
@@ -383,16 +391,16 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                     xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
                     fh_s[d, i] = xh
                     fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(aqc_s, fh_s, cq_f, transpose_A=True, transpose_B=True, clear_accum=True)
-                T.gemm(aqc_s, fl_s, cq_f, transpose_A=True, transpose_B=True)
+                T.gemm(daq_s[:, BS * I:BS * I + BS], fh_s, cq_f, transpose_A=True, transpose_B=True, clear_accum=True)
+                T.gemm(daq_s[:, BS * I:BS * I + BS], fl_s, cq_f, transpose_A=True, transpose_B=True)
                 for d, i in T.Parallel(BK, C):
                     e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
                     x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
                     xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
                     fh_s[d, i] = xh
                     fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(abc_s, fh_s, ck_f, transpose_A=True, transpose_B=True, clear_accum=True)
-                T.gemm(abc_s, fl_s, ck_f, transpose_A=True, transpose_B=True)
+                T.gemm(dab_s[:, BS * I:BS * I + BS], fh_s, ck_f, transpose_A=True, transpose_B=True, clear_accum=True)
+                T.gemm(dab_s[:, BS * I:BS * I + BS], fl_s, ck_f, transpose_A=True, transpose_B=True)
                 # ---- assembly for rows i = 16 I + r ----
                 for r, d in T.Parallel(BS, BK):
                     i = BS * I + r
@@ -408,9 +416,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                     dxk = rowf * rk_f[r, d]
                     dkq = colf * cq_f[r, d]
                     dkk = colf * ck_f[r, d]
-                    dgk = Gi * T.cast(DGk[ic, ih, i, k0 + d], f32)
-                    dkd = T.cast(DKd[ic, ih, i, k0 + d], f32)
-                    dqs = Gi * T.cast(DQg[ic, ih, i, k0 + d], f32) + dxq
+                    dgk = Gi * T.cast(dgk_s[i, d], f32)
+                    dkd = T.cast(dkd_s[i, d], f32)
+                    dqs = Gi * T.cast(dqg_s[i, d], f32) + dxq
                     pkd = kv * dec * dkd
                     pk_f[r, d] += pkd
                     dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - pkd
@@ -421,12 +429,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             # ---- gamma_C terms (sum_i Kd_i dKd_i + eC deC), then the reverse cumsum over the chunk ----
             T.reduce_sum(pk_f, last_f, dim=0)
             T.copy(last_f, last_s)
-            for d in T.Parallel(BK):
-                acc = T.alloc_local([1], f32)
-                acc[0] = last_s[d] + DEc[ic, ih, k0 + d] * T.exp2(gam_s[C - 1, d] * LOG2E)
-                for i in T.serial(C):
-                    acc[0] += dgam_s[C - 1 - i, d]
-                    dgam_s[C - 1 - i, d] = acc[0]
+            if tx < BK:  # as the forward cumsum: independent loads, a register chain, then the stores
+                for i in T.unroll(C):
+                    acc[i] = dgam_s[i, tx]
+                acc[C - 1] = (last_s[tx] + DEc[ic, ih, k0 + tx] * T.exp2(gam_s[C - 1, tx] * LOG2E)) + acc[C - 1]
+                for i in T.unroll(1, C):
+                    acc[C - 1 - i] = acc[C - i] + acc[C - 1 - i]
+                for i in T.unroll(C):
+                    dgam_s[i, tx] = acc[i]
             for i, d in T.Parallel(C, BK):
                 if bos + i < eos:
                     DG[bos + i, ih, k0 + d] = dgam_s[i, d]
@@ -476,7 +486,9 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     threads: 256 measured 5.6 ms at S1 on an H200, 128 threads 6.4 ms (block_k 32 with 128 threads:
-    5.7 ms; with 256 its M = 16 GEMMs would leave each warp 4 columns).
+    5.7 ms; with 256 its M = 16 GEMMs would leave each warp 4 columns). With the gate scans in
+    registers and every input read once up front (dAqk, dB, dQg, dKd, dGk in shared memory, ~105 KB,
+    still two blocks per SM): 4.96 ms.
     """
     block_k = min(block_k, K)
     if chunk_size % SUB or accum_dtype != "float32" or K % block_k:
