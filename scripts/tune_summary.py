@@ -1,4 +1,4 @@
-"""Sweep the number of pieces of the CP summary (from the forward's prepared tensors).
+"""Sweep the operand type and the number of pieces of the CP summary (from the forward's prepared tensors).
 
 Times kda_cp.kernels._summary_run (the summary state kernel over each sequence cut into `pieces`
 parts, plus their composition) at the benchmark shapes S1 (T=32768, H=32) and S3 (T=131072,
@@ -32,22 +32,25 @@ def main():
         q, k, v, g, beta = make_inputs(**sh)
         prep = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=sh["K"] ** -0.5)
         W, U, _, Kd, _, Ec, tables = prep.tensors
-        run = lambda p: _summary_run(W, U, Kd, Ec, tables.seq_table, tables.num_chunks, p)  # noqa: E731
+        run = lambda p, ops="bf16x2": _summary_run(W, U, Kd, Ec, tables.seq_table, tables.num_chunks, p, ops)  # noqa: E731
         if a.only is not None:
             run(a.only)
             torch.cuda.synchronize()
             continue
-        auto = _summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks)
-        print(f"\n{name} {sh} (default pieces: {auto})\n| pieces | ms | rel diff of [M, S~] vs 1 piece |\n|---|---|---|")
+        auto = _summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks, per_sm=2)
+        print(f"\n{name} {sh} (default pieces: {auto})\n| operands | pieces | ms | rel diff of [M, S~] vs TF32, "
+              f"1 piece |\n|---|---|---|---|")
         ref = None
-        for p in PIECES:
-            ms = time_ms(lambda: run(p), a.repeats)
-            M, S = run(p)
-            out = torch.cat([M, S], -1)
-            ref = out if ref is None else ref
-            diff = ((out - ref).norm() / ref.norm()).item()
-            rows.append(dict(shape=name, pieces=p, default=p == auto, ms=ms, rel_diff=diff))
-            print(f"| {p} | {ms:.3f} | {diff:.1e} |", flush=True)
+        for ops in ("tf32x2", "bf16x2"):
+            for p in PIECES:
+                ms = time_ms(lambda: run(p, ops), a.repeats)
+                M, S = run(p, ops)
+                out = torch.cat([M, S], -1)
+                ref = out if ref is None else ref
+                diff = ((out - ref).norm() / ref.norm()).item()
+                rows.append(dict(shape=name, operands=ops, pieces=p, default=ops == "bf16x2" and p == auto, ms=ms,
+                                 rel_diff=diff))
+                print(f"| {ops} | {p} | {ms:.3f} | {diff:.1e} |", flush=True)
     if a.only is None:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=2)

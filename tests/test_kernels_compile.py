@@ -19,7 +19,7 @@ tilelang = pytest.importorskip("tilelang")
 if shutil.which("nvcc") is None:
     pytest.skip("nvcc not found", allow_module_level=True)
 
-from kda_cp.kernels.intra import build_intra_kernel, build_intra_summary_kernel  # noqa: E402
+from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel  # noqa: E402
 from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel  # noqa: E402
 
 
@@ -32,6 +32,13 @@ def test_intra_compiles(K, dtype):
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
 
 
+@pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
+def test_decay_kernel_compiles(K, dtype):
+    """The backward's remake of Qg, Kd (the forward keeps W, U, Aqk, eC only)."""
+    src = build_decay_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
+    assert "float acc[64];" in src, "the gate scan adds in registers (a chain of shared-memory round trips was slower)"
+
+
 @pytest.mark.parametrize("K,dtype,with_h0,store_ht", [
     (128, "bfloat16", True, True), (128, "bfloat16", False, False), (64, "float16", True, False)])
 def test_state_output_compiles(K, dtype, with_h0, store_ht):
@@ -39,12 +46,19 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht):
     assert "wgmma" in ker.get_kernel_source()
 
 
-@pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
-def test_cp_summary_kernel_compiles(K, dtype):
-    """The summary state pass on the forward's 16-bit W/Kd (what CP runs): TF32 MMAs only."""
-    src = build_summary_kernel(None, K, K, 64, dtype=dtype).get_kernel_source()
-    assert "kTensorFloat32" in src
-    assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
+@pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (64, "bfloat16", "bf16x2"),
+                                              (128, "bfloat16", "tf32x2"), (64, "float16", "bf16x2")])
+def test_cp_summary_kernel_compiles(K, dtype, operands):
+    """The summary state pass on the forward's 16-bit W/Kd (what CP runs). bf16 input: bf16 MMAs on
+    the exact W/Kd and two-piece bf16 splits of the state and V', with two blocks per SM; fp16
+    input (not exact in bf16), or tf32x2 asked for: TF32 MMAs only, never a 16-bit MMA."""
+    src = build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands).get_kernel_source()
+    if dtype == "bfloat16" and operands == "bf16x2":
+        assert "kBFloat16, tl::DataType::kBFloat16" in src and "kTensorFloat32" not in src
+        assert "__launch_bounds__(256, 2)" in src
+    else:
+        assert "kTensorFloat32" in src
+        assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
 
 
 @pytest.mark.parametrize("K", [128, 64])
@@ -76,25 +90,27 @@ def _loop_events(src):
         elif "wait_wgmma" in line:
             events.append(("wait",))
         elif "initialize_wgmma_descriptor" in line:
-            reads.add(re.search(r"\(tfloat32_t\*\)(\w+)\)", line).group(1))
+            reads.add(re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+)\)", line).group(1))
         elif "warpgroup_commit_batch" in line:
             events.append(("issue", frozenset(reads)))
             reads = set()
         else:
-            m = re.search(r"\(tfloat32_t\*\)(\w+_s)\)(\[| \+).*\) =|\(\(tfloat32_t\*\)(\w+_s)\)\[.*\] =", line)
+            m = re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)(\[| \+).*\) ="
+                          r"|\(\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)\[.*\] =", line)
             if m:
                 events.append(("store", m.group(1) or m.group(3)))
     return events
 
 
-@pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16"), (128, "float32")])
-def test_summary_kernel_orders_async_mmas_and_stores(K, dtype):
+@pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (128, "bfloat16", "tf32x2"),
+                                              (64, "float16", "bf16x2"), (128, "float32", "bf16x2")])
+def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
     """The summary kernel overlaps its operand stores with asynchronous MMAs of two warpgroups. In
     the generated loop (taken cyclically, as iterations follow each other), every store into a
     shared operand must come after the wait of the last MMA group that read it and a block barrier
     after that wait (else the other warpgroup's MMA may still read it), and every MMA group must
     come after a barrier and a proxy fence that follow the last store into what it reads."""
-    events = _loop_events(build_summary_kernel(None, K, K, 64, dtype=dtype).get_kernel_source())
+    events = _loop_events(build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands).get_kernel_source())
     stored = {e[1] for e in events if e[0] == "store"}
     read = set().union(*(e[1] for e in events if e[0] == "issue"))
     assert stored and read and stored <= read, (stored, read)

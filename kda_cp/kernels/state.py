@@ -14,9 +14,11 @@ already holds, so fusing saves writing and re-reading the per-chunk states and V
 Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
 independent, so each block owns block_v columns of either the S~ part or the M part. Every product
-there carries fp32 accuracy on TF32 tensor cores: a 3xTF32 GEMM on the fp32 inputs of
-intra.build_intra_summary_kernel (chunk_kda_summary), or, on the forward's bf16/fp16 W and Kd (exact in
-TF32; chunk_kda_summary_prepared, what context parallelism uses), 2xTF32 with only the fp32 side split.
+there carries fp32-level accuracy on tensor cores, never one plain 16-bit or TF32 product of an fp32
+value: a 3xTF32 GEMM on the fp32 inputs of intra.build_intra_summary_kernel (chunk_kda_summary); on
+the forward's bf16 W and Kd (chunk_kda_summary_prepared, what context parallelism uses), bf16 MMAs
+with the fp32 side (the state, V') split into two bf16 pieces (16 significant bits; W and Kd exact);
+on fp16 W and Kd (not exact in bf16) 2xTF32 with only the fp32 side split.
 
 Numerics: S is kept in fp32 across chunks; the GEMMs read a copy of S rounded to the input dtype
 (as the peers do) and accumulate in fp32. Rows past the sequence end are not written.
@@ -145,6 +147,15 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
         summaries came out bitwise equal to those of the rounding conversion)."""
         return T.reinterpret(x, op)
 
+    def head(x):  # the operand piece that carries x's leading bits
+        return T.cast(x, op) if op == "bfloat16" else tf32(tf32_hi(x))
+
+    def tail(x):  # x - head(x), as an operand
+        return T.cast(x - T.cast(T.cast(x, op), f32), op) if op == "bfloat16" else tf32(x - tf32_hi(x))
+
+    def exact(x):  # a 16-bit input value as an operand (exact in both operand types)
+        return x if op == in_dtype else tf32(T.cast(x, f32))
+
     @T.macro
     def load_w(W, w_r, ci, ih):
         for i, d in T.Parallel(C, K):
@@ -164,21 +175,21 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     def stage_w(w_r, wh_s, wl_s):
         if split_in:
             for i, d in T.Parallel(C, K):
-                wh_s[i, d] = tf32(tf32_hi(w_r[i, d]))
-                wl_s[i, d] = tf32(w_r[i, d] - tf32_hi(w_r[i, d]))
+                wh_s[i, d] = head(w_r[i, d])
+                wl_s[i, d] = tail(w_r[i, d])
         else:
             for i, d in T.Parallel(C, K):
-                wh_s[i, d] = tf32(T.cast(w_r[i, d], f32))
+                wh_s[i, d] = exact(w_r[i, d])
 
     @T.macro
     def stage_kd(k_x, kh_s, kl_s, tx):
         if split_in:
             for d, i in T.Parallel(K, C):
-                kh_s[d, i] = tf32(tf32_hi(k_x[d, i]))
-                kl_s[d, i] = tf32(k_x[d, i] - tf32_hi(k_x[d, i]))
+                kh_s[d, i] = head(k_x[d, i])
+                kl_s[d, i] = tail(k_x[d, i])
         else:
             for r in T.unroll(KPT):
-                kh_s[(tx // C) * KPT + r, tx % C] = tf32(T.cast(k_x[r], f32))
+                kh_s[(tx // C) * KPT + r, tx % C] = exact(k_x[r])
 
     @T.prim_func
     def kda_state_summary(
@@ -190,6 +201,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
         SM: T.Tensor([N, Hn, K, VA], f32),
     ):
         with T.Kernel(NB * N, Hn, threads=threads) as (bx, ih):
+            if op == "bfloat16":  # 16-bit operand tiles take half the shared memory: two blocks per SM
+                T.annotate_min_blocks_per_sm(2)
             n = bx // NB
             col0 = (bx % NB) * BV  # first augmented column of this block
             c0 = Seq[n, 0]
@@ -240,8 +253,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
             for c in T.serial(nc):
                 cn = c0 + T.min(c + 1, nc - 1)  # next chunk (the last one reloads itself)
                 for j, d in T.Parallel(BV, K):
-                    sh_s[j, d] = tf32(tf32_hi(S_f[j, d]))
-                    sl_s[j, d] = tf32(S_f[j, d] - tf32_hi(S_f[j, d]))
+                    sh_s[j, d] = head(S_f[j, d])
+                    sl_s[j, d] = tail(S_f[j, d])
                 # V'^T = U^T - S^T W^T, asynchronous; meanwhile this chunk's Kd^T and eC go to
                 # shared memory (these MMAs read W and S only) and the next chunk's loads issue
                 T.wgmma_gemm(sh_s, wh_s, vn_f, transpose_B=True, clear_accum=True)
@@ -262,8 +275,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
                 for j, i in T.Parallel(BV, C):
                     u_r[j, i] = T.if_then_else(is_m, T.float32(0), T.cast(U[cn, ih, i, ucol + j], f32))
                 for j, i in T.Parallel(BV, C):
-                    vh_s[j, i] = tf32(tf32_hi(vn_f[j, i]))
-                    vl_s[j, i] = tf32(vn_f[j, i] - tf32_hi(vn_f[j, i]))
+                    vh_s[j, i] = head(vn_f[j, i])
+                    vl_s[j, i] = tail(vn_f[j, i])
                 # S^T <- S^T Diag(eC) + V'^T Kd, asynchronous; meanwhile the next chunk's W goes to
                 # shared memory (these MMAs read Kd and V' only)
                 for j, d in T.Parallel(BV, K):
@@ -283,7 +296,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256):
+def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256,
+                         operands="bf16x2"):
     """Compile the summary-mode state pass (N, number of chunks and H dynamic).
 
     One block per (sequence, head, 64 augmented columns): the V + K = 256 columns of a head take 4
@@ -293,14 +307,19 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
     thread-local pairs are adjacent in the K-major TF32 operands they feed next. The MMAs are
     asynchronous: while V'^T is computed, this chunk's Kd^T and eC go to shared memory and the next
     chunk's loads are issued; while S^T is updated, the next chunk's W goes to shared memory.
-    Measured at S1 (T=32768, H=32, bf16 inputs) on an H200: 2.53 ms (the S-carrying layout with
-    synchronous MMAs and rounding TF32 conversions took 3.89 ms; scripts/tune_summary.py).
+    Measured at S1 (T=32768, H=32, bf16 inputs) on an H200: 1.68 ms with bf16x2 operands, 2.54 ms
+    with tf32x2 (the S-carrying layout with synchronous MMAs and rounding TF32 conversions took 3.89
+    ms; scripts/tune_summary.py).
 
     Args:
         H: None (runtime) or an int; K, V, chunk_size static; K and V multiples of 64.
         dtype: the inputs' dtype. "float32": W, U, Kd^T from the fp32 summary intra kernel, every
             product a 3xTF32 split. "bfloat16"/"float16": the forward's chunk-local tensors
-            (chunk_kda_fwd_prepare), exact in TF32, so only the state and V' are split (2xTF32).
+            (chunk_kda_fwd_prepare), exact as operands, so only the state and V' are split.
+        operands: for bf16 inputs, "bf16x2" (bf16 MMAs on two bf16 pieces of the state and V',
+            16 significant bits; half the operand shared memory, so two blocks fit an SM) or
+            "tf32x2" (TF32 MMAs on two TF32 pieces, 21 bits; the previous kernel). fp16 and fp32
+            inputs always take TF32 (fp16 values are not exact in bf16).
         accum_dtype: "float32". threads: 256 (two warpgroups).
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Kd, Ec[NC,H,K] fp32, Seq[N,4] i32, SM[N,H,K,V+K] fp32)
@@ -320,5 +339,6 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
                                         or threads % chunk_size):
         raise ValueError(f"16-bit inputs: threads={threads} must divide K * chunk_size = {K * chunk_size} into a "
                          f"multiple of 8 key channels per thread, and be a multiple of chunk_size={chunk_size}")
-    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, "custom[tfloat32]", tl_dtype(dtype))
+    op = "bfloat16" if tl_dtype(dtype) == "bfloat16" and operands == "bf16x2" else "custom[tfloat32]"
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, op, tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")
