@@ -120,3 +120,28 @@ def sub_chunk_ref(gam_s, I, d):
     import tilelang.language as T
 
     return gam_s[T.max(SUB * I - 1, 0), d] * T.cast(T.min(I, 1), "float32")
+
+
+def row_scan_macro(C: int):
+    """A TileLang macro ``row_scan(gam_s, acc, ncols, bos, eos)``: the inclusive cumsum over the C
+    rows of each of the first ``ncols`` columns of the shared fp32 tile gam_s, rows past the
+    sequence end (bos + i >= eos) taken as 0. Thread d < ncols owns column d: it loads the column
+    into its registers ``acc`` (T.alloc_local([C], "float32"); independent loads), adds in a
+    register chain, then stores the column back. The additions run in row order, acc_i = acc_{i-1}
+    + x_i, so every kernel using it computes the same bits. A loop of shared-memory load, add, store
+    (the earlier form) serialised on the shared-memory latency: on an H200 the Qg/Kd kernel took
+    0.85 ms at T = 32768, H = 32 that way and 0.45 ms with this scan."""
+    import tilelang.language as T
+
+    @T.macro
+    def row_scan(gam_s, acc, ncols, bos, eos):
+        tx = T.get_thread_binding()
+        if tx < ncols:
+            for i in T.unroll(C):
+                acc[i] = T.if_then_else(bos + i < eos, gam_s[i, tx], T.float32(0))
+            for i in T.unroll(1, C):
+                acc[i] = acc[i - 1] + acc[i]
+            for i in T.unroll(C):
+                gam_s[i, tx] = acc[i]
+
+    return row_scan

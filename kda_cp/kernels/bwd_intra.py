@@ -48,7 +48,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, sub_chunk_ref, tl_dtype
+from ._common import SUB, compile_kernel, row_scan_macro, sub_chunk_ref, tl_dtype
 
 LOG2E = 1.4426950408889634
 MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dAqk, dB, dQg, dKd, dGk between kernels
@@ -140,6 +140,7 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
 
 
 def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
+    row_scan = row_scan_macro(C)
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
@@ -198,12 +199,8 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            for d in T.Parallel(K):  # chunk-local cumsum: one thread per channel, in a register
-                acc0 = T.alloc_local([1], f32)
-                acc0[0] = T.float32(0)
-                for i in T.serial(C):
-                    acc0[0] += gam_s[i, d]
-                    gam_s[i, d] = acc0[0]
+            acc0 = T.alloc_local([C], f32)
+            row_scan(gam_s, acc0, K, bos, eos)  # chunk-local cumsum, one thread per channel, in registers
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in T.serial(NSUB):  # a loop, not unrolled: smaller code

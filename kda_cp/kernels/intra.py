@@ -32,7 +32,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, sub_chunk_ref, tf32_hi, tl_dtype
+from ._common import SUB, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
 
 
 def _solve_macros(C, K, f32):
@@ -43,7 +43,8 @@ def _solve_macros(C, K, f32):
     1.72 ms as loops with 256 threads).
 
     load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, one thread
-        per key channel scanning the 64 rows in a register; rows past eos count as g = 0.
+        per key channel scanning the 64 rows in registers (_common.row_scan_macro); rows past eos
+        count as g = 0.
     solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
         Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
         registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]).
@@ -52,14 +53,13 @@ def _solve_macros(C, K, f32):
     NSUB = C // BS
     R16 = tuple(range(BS))
 
+    row_scan = row_scan_macro(C)
+
     @T.macro
     def load_cumsum(G, bos, eos, ih, gam_s):
         T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
-        for d in T.Parallel(K):
-            acc = T.alloc_var(f32, init=0)
-            for i in T.serial(C):
-                acc += T.if_then_else(bos + i < eos, gam_s[i, d], T.float32(0))
-                gam_s[i, d] = acc
+        acc = T.alloc_local([C], f32)
+        row_scan(gam_s, acc, K, bos, eos)
 
     @T.macro
     def solve(L_s, Ti_s, Td_s, tmp_s):
@@ -330,6 +330,7 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
 
 
 def _decay_func(H, K, C, dtype, f32, scale):
+    load_cumsum, _ = _solve_macros(C, K, f32)
     LOG2E = 1.4426950408889634
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -345,20 +346,10 @@ def _decay_func(H, K, C, dtype, f32, scale):
         Kd_out: T.Tensor([NC, Hn, C, K], dtype),
     ):
         with T.Kernel(NC, Hn, threads=K) as (ic, ih):
-            tx = T.get_thread_binding()
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             gam_s = T.alloc_shared([C, K], f32)
-            acc = T.alloc_local([C], f32)
-            T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
-            # the scan of kda_intra_fwd's load_cumsum, same order of additions, but thread d first
-            # loads its whole column into registers (independent loads), then adds in a register chain
-            for i in T.unroll(C):
-                acc[i] = T.if_then_else(bos + i < eos, gam_s[i, tx], T.float32(0))
-            for i in T.unroll(1, C):
-                acc[i] = acc[i - 1] + acc[i]
-            for i in T.unroll(C):
-                gam_s[i, tx] = acc[i]
+            load_cumsum(G, bos, eos, ih, gam_s)  # kda_intra_fwd's gate scan
             # the same expressions as kda_intra_fwd's, so the values are bitwise the same
             for i, d in T.Parallel(C, K):
                 qv = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
