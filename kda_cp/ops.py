@@ -365,7 +365,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, backend: Backend, opts: KDAOptions):
-        prepared = backend.prepare(q, k, v, g, beta, opts, cu_seqlens) if q.shape[1] > 0 else None
+        prepared = backend.prepare(q, k, v, g, beta, opts, cu_seqlens) if q.numel() > 0 else None
         o, ht = backend.fwd(q, k, v, g, beta, h0, opts, cu_seqlens, prepared=prepared)
         kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
         del prepared

@@ -22,7 +22,11 @@ What the forward keeps for the backward (ops.py's autograd; kernels.keep_for_bac
 and W, U, Aqk in the input dtype and eC in fp32, (K + V + C) values per token and head plus K / C:
 with o, 906 MiB at S1 (T = 32768, H = 32, K = V = 128, bf16) against flash-linear-attention's
 1024 MiB, measured by scripts/bench_backward.py. Qg and Kd (another 2K per token and head) are
-remade by a cheap kernel (0.42 ms at S1) instead of the chunk-local kernel (1.7 ms).
+remade by a cheap kernel (0.42 ms at S1) instead of the chunk-local kernel (1.7 ms). Autograd holds
+the kept tensors until the backward returns, so the ``del``s below free them only when no one else
+holds them (a ``prepared`` from chunk_kda_fwd_prepare): at K = V = 128 the backward's peak (at
+"dv") is unchanged (3350 MiB at S1), at K = V = 64 keeping them through "dk" raises it by about
+K + V + C values per token and head.
 Transient backward buffers, per token and head: W, U, Qg, Kd (4 x K in the input dtype), Aqk (C in
 the input dtype), dAqk, dB (2 x C in bf16), dW, dU (2 x K), dQg, dKd, dGk (3 x K in bf16), and per
 chunk Hs, dHs (2 x K x V in the input dtype); they are freed as soon as the next stage no longer
