@@ -1,19 +1,70 @@
 """Run a function on P ranks (gloo on CPU, or NCCL with one GPU per rank) spawned from pytest, with a
-free port and a bounded timeout."""
+free port and a bounded timeout; run a launcher command (torchrun) whose whole process tree is killed
+when it overruns its timeout."""
 
 from __future__ import annotations
 
 import datetime
 import io
 import os
+import signal
 import socket
+import subprocess
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 60
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL ``proc`` and every process under it; return the descendants' pids.
+
+    torchrun starts each worker in a session of its own, so killing the launcher (or its process
+    group) alone leaves the ranks running, holding ports, cores and build locks.
+    """
+    victims = descendants(proc.pid)
+    for pid in victims + [proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    return victims
+
+
+def run_command(cmd: list[str], *, timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that, past ``timeout`` seconds, kills
+    the whole process tree and raises AssertionError with the tail of what it printed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:6])} ... ran past {timeout} s; killed it and its workers.\n"
+                             f"stderr tail:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port() -> int:

@@ -6,13 +6,14 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+
+from _dist import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -112,14 +113,14 @@ def test_resume_continues_exactly(tmp_path):
     assert part[2] == pytest.approx(full[2], rel=1e-6)
 
 
-def _torchrun(nproc: int, cp: int, run_dir: Path) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, cp: int, run_dir: Path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "scripts/train.py", *TINY, f"parallel.cp={cp}", f"trainer.run_dir={run_dir}",
         "parallel.threads_per_rank=1", "parallel.timeout_s=60",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return run_command(cmd, cwd=ROOT, env=env, timeout=180)
 
 
 @pytest.mark.parametrize("nproc,cp", [(2, 2), (2, 1), (4, 2)], ids=["cp2", "dp2", "dp2xcp2"])

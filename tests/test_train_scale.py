@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from _deepspeed import require_deepspeed
+from _deepspeed import has_deepspeed, require_deepspeed
+from _dist import kill_tree, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -85,12 +85,12 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_layouts_give_the_loss_curve_of_one_process(reference, tmp_path, name):
-    if name.startswith("zero"):
-        require_deepspeed()
+    if name.startswith("zero") or (name == "ulysses" and has_deepspeed()):
+        require_deepspeed()  # ulysses_impl=auto takes DeepSpeed's all-to-all when it is installed
     cases = [TINY + CONFIGS[name] + [f"parallel.cp={cp}", f"trainer.run_dir={tmp_path / lay}"] for lay, cp in LAYOUTS.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "tests/_train_layouts.py", json.dumps(cases)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = run_command(cmd, cwd=ROOT, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ref_loss, ref_gn = _metrics(reference, "loss"), _metrics(reference, "grad_norm")
     assert len(ref_loss) == STEPS and ref_loss[STEPS] < ref_loss[1] - 0.3  # it trains
@@ -122,21 +122,13 @@ def _launch(run_dir: Path, extra=()) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children first."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def _finish(proc: subprocess.Popen, timeout: float = 300):
+    """communicate() with a deadline; past it, kill the launcher and its ranks and fail."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"training ran past {timeout} s; killed it and its ranks")
 
 
 def _alive(pid: int) -> bool:
@@ -153,7 +145,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
         require_deepspeed()
     extra = [f"deepspeed={ds}"]
     full = _launch(tmp_path / "full", extra)
-    _, err = full.communicate(timeout=300)
+    _, err = _finish(full)
     assert full.returncode == 0, err[-6000:]
 
     run = tmp_path / "killed"
@@ -165,14 +157,8 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()[-3000:]
     # SIGKILL the ranks and the launcher (torchrun starts its workers in sessions of their own, so
     # killing the launcher's process group alone would leave the ranks training).
-    victims = _descendants(proc.pid)
+    victims = kill_tree(proc)
     assert victims, "no rank processes found under the launcher"
-    for pid in victims + [proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
     time.sleep(1.0)
     assert not any(_alive(p) for p in victims), "a rank survived SIGKILL"
     proc.stderr.close()
@@ -180,7 +166,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     steps_before = max(_metrics(run, "loss"))
 
     resumed = _launch(run, extra + ["trainer.resume=true"])
-    _, err = resumed.communicate(timeout=300)
+    _, err = _finish(resumed)
     assert resumed.returncode == 0, err[-6000:]
     import re
 
