@@ -11,8 +11,11 @@ Saving (collective over all ranks): rank 0 makes an empty ``.tmp-step_N``; every
 files into it (``write(tmp_dir)``); after a barrier, rank 0 lists the files with their sizes into
 ``MANIFEST.json`` (itself written to a temporary name and os.replace'd), fsyncs, and renames the
 directory to ``step_N`` with os.replace (atomic on one filesystem); older checkpoints beyond
-``keep`` are deleted. A process killed at any point leaves either the previous complete checkpoint
-or the new one, never a half-written ``step_N`` that passes verification.
+``keep`` are deleted, never the one just written. A process killed at any point leaves either the
+previous complete checkpoint or the new one, never a half-written ``step_N`` that passes
+verification. Saving a step that already has a checkpoint (a run resumed before it) first renames
+the old copy to ``.old-step_N``, which :meth:`CheckpointManager.latest` still reads should the
+process die before the new copy is in place, and deletes it after.
 
 Reading: :meth:`CheckpointManager.latest` walks the ``step_*`` directories from the newest and
 returns the first whose manifest exists, parses, names the step, and matches every listed file's
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
 
 
 @dataclass(frozen=True)
@@ -130,28 +134,37 @@ class CheckpointManager:
             sealed.write_text(json.dumps({"step": step, "files": _listing(tmp)}, indent=1))
             os.replace(sealed, tmp / MANIFEST)
             _fsync_dir(tmp)
-            if final.exists():  # a re-run of the same step: the old copy goes only now
-                shutil.rmtree(final)
+            old = self.root / f"{_OLD_PREFIX}{final.name}"
+            if final.exists():  # a re-run of the same step: the old copy is set aside, not deleted yet
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
+            if old.exists():
+                shutil.rmtree(old)
+            self._prune(step)
             logger.info("checkpoint step %d -> %s", step, final)
         self.barrier()
         return final
 
-    def _prune(self) -> None:
-        complete = [c for c in self._candidates() if verify(c.path)[0] is not None]
-        for c in complete[self.keep :]:
+    def _prune(self, written: int) -> None:
+        """Keep the checkpoint just written and the ``keep - 1`` newest complete ones before it."""
+        older = [c for c in self._candidates() if c.step < written and verify(c.path)[0] is not None]
+        for c in older[self.keep - 1 :]:
             shutil.rmtree(c.path, ignore_errors=True)
 
     def _candidates(self) -> list[CheckpointInfo]:
+        """``step_N`` directories, newest first; a ``.old-step_N`` (set aside by a re-save of step N
+        that did not finish) stands in for a missing ``step_N``."""
         if not self.root.is_dir():
             return []
-        out = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
-                out.append(CheckpointInfo(int(p.name[len(_PREFIX) :]), p))
-        return sorted(out, key=lambda c: c.step, reverse=True)
+        found: dict[int, Path] = {}
+        for prefix in (_OLD_PREFIX + _PREFIX, _PREFIX):  # step_N wins over .old-step_N
+            for p in self.root.iterdir():
+                if p.is_dir() and p.name.startswith(prefix) and p.name[len(prefix) :].isdigit():
+                    found[int(p.name[len(prefix) :])] = p
+        return [CheckpointInfo(s, found[s]) for s in sorted(found, reverse=True)]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or None; incomplete ones are logged and skipped."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kda_cp.ops import chunk_kda
+from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
 from kda_cp.parallel.conv import causal_conv1d
 from kda_cp.parallel.attention import cp_attention
 from kda_cp.parallel.cp import cp_chunk_kda
@@ -81,6 +81,17 @@ class KDAConfig:
             raise ValueError(f"KDAConfig.g_min must be in [-5, 0), got {self.g_min}")
         if self.conv_size < 0:
             raise ValueError(f"KDAConfig.conv_size must be >= 0, got {self.conv_size}")
+        for name in ("value_dim", "gate_rank", "output_gate_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"KDAConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"KDAConfig.norm_eps must be > 0, got {self.norm_eps}")
+        try:
+            check_chunk_size(self.chunk_size)
+        except ValueError as exc:
+            raise ValueError(f"KDAConfig.{exc}") from None
+        if self.backend not in BACKENDS:
+            raise ValueError(f"KDAConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0 < self.decay_init_min <= self.decay_init_max < -self.g_min:
             raise ValueError(
                 "KDAConfig needs 0 < decay_init_min <= decay_init_max < -g_min, got "

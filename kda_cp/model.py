@@ -72,6 +72,8 @@ class ModelConfig:
                 f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "
                 f"got {self.layer_pattern!r}"
             )
+        if "K" in self.layer_pattern:
+            self.kda_config()  # its checks (chunk_size, backend, ...) at config time, not at the first forward
 
     def mixer(self, layer: int) -> str:
         """"K" or "A": the token mixer of block ``layer``."""

@@ -28,6 +28,16 @@ __all__ = ["chunk_kda", "KDAOptions", "Backend", "get_backend", "check_inputs", 
 log = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "torch", "tilelang"]
+BACKENDS = ("auto", "torch", "tilelang")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """ValueError unless ``chunk_size`` is a positive int that is a multiple of the 16-token
+    sub-chunk (or a single sub-chunk shorter than 16)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 \
+            or chunk_size % min(reference.SUB_CHUNK, chunk_size):
+        raise ValueError(f"chunk_size must be a positive int, a multiple of {reference.SUB_CHUNK} (or below it), "
+                         f"got {chunk_size!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,8 +96,7 @@ def check_inputs(
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if chunk_size < 1 or chunk_size % min(reference.SUB_CHUNK, chunk_size):
-        raise ValueError(f"chunk_size must be a multiple of {reference.SUB_CHUNK} (or below it), got {chunk_size}")
+    check_chunk_size(chunk_size)
     if g_min is not None and not -5.0 <= g_min < 0.0:
         raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
     if check_gate and g.numel():
@@ -332,8 +341,8 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
     """
     if name == "torch":
         return _TORCH
-    if name not in ("auto", "tilelang"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'tilelang', got {name!r}")
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if not q.is_cuda:
         if name == "tilelang":
             raise NotImplementedError(f"the TileLang backend needs CUDA tensors, got q on {q.device}")

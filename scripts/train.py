@@ -35,6 +35,7 @@ import math
 import os
 import random
 import resource
+import socket
 import sys
 import time
 from contextlib import nullcontext
@@ -117,6 +118,23 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
 
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0 and math.isfinite(self.lr),
+            "min_lr_ratio": 0.0 <= self.min_lr_ratio <= 1.0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "weight_decay": self.weight_decay >= 0,
+            "beta1": 0.0 <= self.beta1 < 1.0,
+            "beta2": 0.0 <= self.beta2 < 1.0,
+            "eps": self.eps > 0,
+            "grad_clip": self.grad_clip >= 0,
+        }
+        rules = {"lr": "> 0 and finite", "min_lr_ratio": "in [0, 1]", "warmup_steps": ">= 0", "weight_decay": ">= 0",
+                 "beta1": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0", "grad_clip": ">= 0 (0 disables)"}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"optim.{name} must be {rules[name]}, got {getattr(self, name)}")
+
 
 @dataclass
 class TrainerConfig:
@@ -153,8 +171,11 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"trainer.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"trainer.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        for name, least in (("max_steps", 1), ("log_every", 1), ("val_every", 0), ("checkpoint_every", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"trainer.{name} must be >= {least}, got {getattr(self, name)}")
+        if not self.peak_tflops > 0:
+            raise ValueError(f"trainer.peak_tflops must be > 0, got {self.peak_tflops}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
@@ -217,9 +238,10 @@ def build_layout(world_size: int, rank: int, cp: int, device: torch.device, dims
     return Layout(rank, world_size, dims.dp, dims.cp, dp_rank, cp_rank, dims.cp_group, device, dims)
 
 
-def init_distributed(cfg: ParallelConfig) -> Layout:
+def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
     """Initialize torch.distributed from torchrun's environment (or run as one process without it)
-    and build the ("dp", "cp") DeviceMesh."""
+    and build the ("dp", "cp") DeviceMesh. ``need_group``: one process without torchrun still gets
+    a process group of one rank and the mesh (DeepSpeed needs them)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -230,10 +252,17 @@ def init_distributed(cfg: ParallelConfig) -> Layout:
     if use_cuda:
         torch.cuda.set_device(device)
     dims = ParallelDims.from_cp(world_size, cfg.cp)  # ValueError before any process group exists
-    if world_size == 1 and not dist.is_initialized():
+    if world_size == 1 and not dist.is_initialized() and not need_group:
         return build_layout(1, 0, cfg.cp, device, dims)
     if not dist.is_initialized():
         backend = cfg.backend or ("nccl" if use_cuda else "gloo")
+        if "MASTER_ADDR" not in os.environ:  # one process, no launcher: the environment torchrun would set
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+                os.environ.setdefault(key, value)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     dims = ParallelDims.from_cp(dist.get_world_size(), cfg.cp)
     dims.build_mesh(device.type)
@@ -443,10 +472,31 @@ def _plot(run_dir: Path, history: list[dict], entropy: float) -> Path | None:
 
 
 def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
-    run_dir = cfg.run_dir
-    if run_dir is None and layout.rank == 0:
-        run_dir = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    run_dir = Path(_broadcast_object(run_dir, layout))
+    """The run directory (chosen on rank 0, broadcast), created. A fresh run (trainer.resume=false)
+    refuses a directory that already holds a run's checkpoints or metrics, which it would overwrite.
+
+    Raises:
+        ValueError: on every rank, when a fresh run is pointed at a used run directory.
+    """
+    run_dir, used = cfg.run_dir, ""
+    if layout.rank == 0:
+        if run_dir is None:  # unique even when two runs start within the same second
+            stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+            run_dir, n = stamp, 0
+            while Path(run_dir).exists():
+                n += 1
+                run_dir = f"{stamp}-{n}"
+        elif not cfg.resume:
+            ckpt_dir, metrics = Path(run_dir) / "checkpoints", Path(run_dir) / "metrics.jsonl"
+            if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
+                used = str(run_dir)
+    run_dir, used = _broadcast_object((run_dir, used), layout)
+    if used:
+        raise ValueError(
+            f"trainer.run_dir={used} already holds a run (checkpoints or metrics.jsonl) that a fresh run "
+            "would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir"
+        )
+    run_dir = Path(run_dir)
     if layout.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
@@ -460,7 +510,8 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
 
     Raises:
         ValueError: parallel.cp does not divide the world size, trainer.resume without
-            trainer.run_dir, or a bad config value.
+            trainer.run_dir, a fresh run in a run directory that holds another run, or a bad
+            config value.
         FloatingPointError: the loss became NaN/Inf (on every rank at the same step).
     """
     if isinstance(cfg, DictConfig):
@@ -468,7 +519,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     if cfg.trainer.resume and cfg.trainer.run_dir is None:
         raise ValueError("trainer.resume=true needs trainer.run_dir (the run to continue)")
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    layout = init_distributed(cfg.parallel)
+    layout = init_distributed(cfg.parallel, need_group=cfg.deepspeed.enabled)
     if layout.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     run_dir = _resolve_run_dir(cfg.trainer, layout)
@@ -534,7 +585,9 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         # steps after the checkpoint (lost with a killed process) are dropped.
         kept = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
         history = [m for m in kept if m["step"] <= start_step] if start_step else []
-        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in history))
+        tmp = metrics_path.with_name(metrics_path.name + ".tmp")  # replaced whole: never half-written
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
+        os.replace(tmp, metrics_path)
     metrics_file = open(metrics_path, "a") if is_main else None
 
     def record(entry: dict) -> None:

@@ -53,3 +53,42 @@ def test_interrupted_write_leaves_previous(tmp_path):
     assert m.latest().step == 2
     with pytest.raises(ValueError, match="keep_checkpoints"):
         CheckpointManager(tmp_path, 0, lambda: None, keep=0)
+
+
+def test_resave_of_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
+    """keep=1 and the same step saved again (a run resumed from its last checkpoint): killed between
+    setting the old copy aside and moving the new one in, the old copy is still found."""
+    import kda_cp.checkpoint as ckpt
+
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None, keep=1)
+    m.save(4, _write(b"first"))
+    real_replace, calls = ckpt.os.replace, []
+
+    def replace_dies_on_the_move_in(src, dst):
+        calls.append((str(src), str(dst)))
+        if str(src).endswith(".tmp-step_00000004"):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace_dies_on_the_move_in)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(4, _write(b"second"))
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    assert any(d.endswith(".old-step_00000004") for _, d in calls)  # the old copy was set aside
+    found = m.latest()
+    assert found is not None and found.step == 4 and (found.path / "a.bin").read_bytes() == b"first"
+    m.save(4, _write(b"third"))  # a later save puts a new copy in place and drops the old one
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
+    assert (m.latest().path / "a.bin").read_bytes() == b"third"
+
+
+def test_prune_never_drops_the_checkpoint_just_written(tmp_path):
+    """Checkpoints of higher steps (left by an earlier run) must not push out the one just saved."""
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None, keep=2)
+    for step in (100, 200):
+        m.save(step, _write(bytes([step % 251]) * 10))
+    path = m.save(10, _write(b"new"))
+    assert path.is_dir() and (path / "a.bin").read_bytes() == b"new"
+    m.save(20, _write(b"newer"))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000010", "step_00000020", "step_00000100", "step_00000200"]

@@ -98,9 +98,11 @@ def test_layouts_give_the_loss_curve_of_one_process(reference, tmp_path, name):
         loss, gn = _metrics(tmp_path / lay, "loss"), _metrics(tmp_path / lay, "grad_norm")
         assert sorted(loss) == list(range(1, STEPS + 1)), lay
         for s in range(1, STEPS + 1):
-            assert abs(loss[s] - ref_loss[s]) / abs(ref_loss[s]) < 1e-4, (name, lay, s, loss[s], ref_loss[s])
+            # Only the order of reductions differs: measured at most 1.9e-7 (loss) and 3.8e-7 (grad
+            # norm) relative over all layouts and configs on 2 CPU cores.
+            assert abs(loss[s] - ref_loss[s]) / abs(ref_loss[s]) < 2e-6, (name, lay, s, loss[s], ref_loss[s])
             # AdamW and clipping hide a wrong gradient scale from the loss; the grad norm does not.
-            assert abs(gn[s] - ref_gn[s]) / abs(ref_gn[s]) < 1e-4, (name, lay, s, gn[s], ref_gn[s])
+            assert abs(gn[s] - ref_gn[s]) / abs(ref_gn[s]) < 2e-6, (name, lay, s, gn[s], ref_gn[s])
         summary = json.loads((tmp_path / lay / "summary.json").read_text())
         assert summary["cp"] == LAYOUTS[lay] and summary["dp"] == 4 // LAYOUTS[lay]
         assert summary["zero_stage"] == (int(name[-1]) if name.startswith("zero") else 0)
@@ -177,9 +179,9 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     ref, got = _metrics(tmp_path / "full", "loss"), _metrics(run, "loss")
     assert sorted(got) == list(range(1, 41)), sorted(got)
     assert steps_before >= 10
-    for s in range(1, 41):  # the same batches, weights, optimizer state and schedule: equal losses
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=0), (s, got[s], ref[s])
-    assert _metrics(run, "val_loss")[40] == pytest.approx(_metrics(tmp_path / "full", "val_loss")[40], rel=1e-6)
+    # the same batches, weights, optimizer state, schedule and layout: bit-identical losses
+    assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
+    assert _metrics(run, "val_loss")[40] == _metrics(tmp_path / "full", "val_loss")[40]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,6 +213,5 @@ def test_torn_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     assert "step_00000006 is incomplete" in caplog.text and "step_00000007 is incomplete" in caplog.text
     ref, got = _metrics(full, "loss"), _metrics(run, "loss")
     assert sorted(got) == list(range(1, 9))
-    for s in range(5, 9):  # resumed from step 4
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=0), (s, got[s], ref[s])
+    assert [got[s] for s in range(5, 9)] == [ref[s] for s in range(5, 9)]  # resumed from step 4, bit for bit
     assert "step_00000004 at step 4" in caplog.text  # "resumed from <...>/step_00000004 at step 4"
