@@ -27,13 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kda_cp.parallel.sharding import shard_bounds
+
 __all__ = [
     "DataConfig",
     "ByteCorpus",
     "load_corpus",
     "stdlib_files",
     "unigram_entropy",
-    "shard_range",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,16 +122,6 @@ def unigram_entropy(data: np.ndarray | torch.Tensor) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def shard_range(seq_len: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """[start, end) of CP rank ``cp_rank``'s tokens in a sequence of ``seq_len``: floor(r T / P).
-
-    Matches :func:`kda_cp.parallel.sharding.shard_bounds` (the even split).
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    return (cp_rank * seq_len) // cp_size, ((cp_rank + 1) * seq_len) // cp_size
-
-
 class ByteCorpus:
     """A byte corpus with its train/validation split and a deterministic, sharded batch sampler.
 
@@ -174,7 +165,9 @@ class ByteCorpus:
 
     def _windows(self, split: np.ndarray, offsets: np.ndarray, rows: range, cp_rank: int, cp_size: int):
         T = self.config.seq_len
-        a, b = shard_range(T, cp_rank, cp_size)
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+        a, b = shard_bounds(T, cp_size)[cp_rank]
         # Read only this shard: inputs [a, b) and targets [a + 1, b + 1) of each window.
         buf = np.stack([split[offsets[i] + a : offsets[i] + b + 1] for i in rows])
         x = torch.from_numpy(buf[:, :-1].astype(np.int64))

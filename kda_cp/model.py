@@ -147,7 +147,7 @@ class KDALanguageModel(nn.Module):
         Returns logits: [B, T, vocab_size], fp32 when the weights are fp32.
 
     Raises:
-        ValueError: input_ids not 2-D integer.
+        ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -183,6 +183,10 @@ class KDALanguageModel(nn.Module):
             raise ValueError(
                 f"input_ids must be [B, T] integer, got shape {tuple(input_ids.shape)} dtype {input_ids.dtype}"
             )
+        if input_ids.numel():
+            lo, hi = (int(x) for x in torch.aminmax(input_ids))  # one sync; on CUDA a bad id would be a device assert
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {self.config.vocab_size}), got min {lo}, max {hi}")
         h = self.embed(input_ids.long())
         for block in self.blocks:
             h = block(h, cp_group=cp_group, cp_strategy=cp_strategy, ulysses_impl=ulysses_impl)

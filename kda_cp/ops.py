@@ -31,6 +31,43 @@ BackendName = Literal["auto", "torch", "tilelang"]
 BACKENDS = ("auto", "torch", "tilelang")
 
 
+def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True) -> list[int]:
+    """Packed-sequence offsets (FlashAttention convention) as a list of ints, after checking them.
+
+    Args:
+        cu_seqlens: a 1-D integer tensor or a sequence of ints [N + 1]: 0, then the running sum of
+            the N sequence lengths.
+        total: the packed length they must end at (T), or None to skip that check.
+        allow_empty: accept zero-length sequences (equal neighbours); CP needs them excluded.
+
+    Raises:
+        ValueError: not 1-D integers, fewer than 2 entries, not starting at 0, decreasing (or, with
+            allow_empty=False, not strictly increasing), or not ending at ``total``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+                or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
+        cs = cu_seqlens.tolist()
+    else:
+        try:
+            cs = list(cu_seqlens)
+        except TypeError:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, "
+                             f"got {type(cu_seqlens).__name__}") from None
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in cs):
+            raise ValueError(f"cu_seqlens must hold ints, got {cs}")
+    if len(cs) < 2 or cs[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {cs}")
+    if allow_empty and any(b < a for a, b in zip(cs[:-1], cs[1:])):
+        raise ValueError(f"cu_seqlens must not decrease, got {cs}")
+    if not allow_empty and any(b <= a for a, b in zip(cs[:-1], cs[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {cs}")
+    if total is not None and cs[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the packed length T = {total}, got cu_seqlens[-1] = {cs[-1]}")
+    return cs
+
+
 def check_chunk_size(chunk_size) -> None:
     """ValueError unless ``chunk_size`` is a positive int that is a multiple of the 16-token
     sub-chunk (or a single sub-chunk shorter than 16)."""
@@ -99,25 +136,13 @@ def check_inputs(
     check_chunk_size(chunk_size)
     if g_min is not None and not -5.0 <= g_min < 0.0:
         raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
-    if check_gate and g.numel():
-        lo, hi = (x.item() for x in torch.aminmax(g.detach()))
-        if not math.isfinite(lo) or not math.isfinite(hi) or hi > 0:
-            raise ValueError(f"g is a log decay and must be finite and <= 0; min(g) = {lo:.4g}, max(g) = {hi:.4g}")
-        if g_min is not None and lo < g_min:
-            raise ValueError(
-                f"g must lie in [g_min, 0] = [{g_min}, 0] (the declared gate bound); min(g) = {lo:.4g}. "
-                "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (torch backend only)"
-            )
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state must be a torch.Tensor [N, H, K, V] or None, got {type(initial_state).__name__}")
     n_states = B
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
-        cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs[:-1], cs[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, not decrease, and end at T = {T}; got {cs}")
-        n_states = len(cs) - 1
+        n_states = len(check_cu_seqlens(cu_seqlens, T)) - 1
     if initial_state is not None:
         V = v.shape[-1]
         want = [n_states, H, K, V]
@@ -128,6 +153,29 @@ def check_inputs(
             )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    if check_gate and g.numel():
+        # one device sync for every value check: (min, max) of each input
+        named = [("g", g), ("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state)]
+        named = [(n, x) for n, x in named if x is not None and x.numel()]
+        stats = torch.stack([torch.stack(torch.aminmax(x.detach())).to(torch.float64) for _, x in named]).tolist()
+        ranges = {n: tuple(st) for (n, _), st in zip(named, stats)}
+        lo, hi = ranges["g"]
+        if not math.isfinite(lo) or not math.isfinite(hi) or hi > 0:
+            raise ValueError(f"g is a log decay and must be finite and <= 0; min(g) = {lo:.4g}, max(g) = {hi:.4g}")
+        if g_min is not None and lo < g_min:
+            raise ValueError(
+                f"g must lie in [g_min, 0] = [{g_min}, 0] (the declared gate bound); min(g) = {lo:.4g}. "
+                "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (torch backend only)"
+            )
+        for name, (lo, hi) in ranges.items():
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise ValueError(f"{name} must be finite; min = {lo:.4g}, max = {hi:.4g} (NaN or Inf in the input)")
+        lo, hi = ranges["beta"]
+        if lo < 0 or hi > 1:
+            raise ValueError(
+                f"beta (the write strength, sigmoid of a projection) must lie in [0, 1]; min = {lo:.4g}, max = {hi:.4g}. "
+                "Pass check_gate=False to skip the value checks"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,10 +474,13 @@ def chunk_kda(
         scale: output scale; default K ** -0.5.
         initial_state: [N, H, K, V], fp32; N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: int tensor [N + 1] of packed-sequence offsets (FlashAttention convention, B = 1).
+        cu_seqlens: int tensor (or list of ints) [N + 1] of packed-sequence offsets (FlashAttention
+            convention, B = 1); zero-length sequences are allowed.
         chunk_size: tokens per chunk (64; a multiple of 16, or any size below 16; the kernels use 64).
         backend: "auto", "torch" or "tilelang" (see :func:`get_backend`).
-        check_gate: verify g is finite, <= 0 and >= g_min (one device sync).
+        check_gate: check the values (one device sync, one read of each input): g finite, <= 0 and
+            >= g_min; q, k, v, beta and initial_state finite; beta in [0, 1]. False skips them
+            (a NaN or Inf then propagates into o and the state).
         g_min: the declared lower bound of g, in [-5, 0) (Kimi K3: g = g_min * sigmoid(.), g_min = -5
             by default); the TileLang kernels rely on it to keep exp(+-cumsum(g)) in range over a
             16-token sub-chunk. None declares no bound (torch backend only, any g <= 0).
@@ -440,13 +491,19 @@ def chunk_kda(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
-            the expected shape), g > 0 or g < g_min, malformed cu_seqlens.
+            the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
+            (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale.
         NotImplementedError: backend="tilelang" for inputs the kernels do not cover.
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
     """
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # a list of offsets
+        cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64,
+                                  device=q.device if isinstance(q, torch.Tensor) else None)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None (K ** -0.5), got {scale!r}")
     q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -99,6 +99,8 @@ def identity_like(f: AffineMap) -> AffineMap:
 
 def _check_stack(maps: AffineMap) -> None:
     M, S = maps
+    if M.dim() >= 1 and M.shape[0] == 0:
+        raise ValueError("the stack of maps is empty (P = 0): a scan needs at least one segment")
     if M.dim() < 3 or M.shape[-1] != M.shape[-2]:
         raise ValueError(f"M must be [P, ..., K, K], got {tuple(M.shape)}")
     if S.shape[:-1] != M.shape[:-1]:

@@ -63,3 +63,14 @@ def make_inputs(B, T, H, K, V, *, dtype=torch.float64, g_min=-5.0, seed=None, re
         if h0 is not None:
             h0.requires_grad_(True)
     return (*out, h0)
+
+
+def perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """fp64 copy with every parameter moved off its init (norm weights != 1, A_log != 0, ...), so
+    a test cannot pass on an identity-like initialization."""
+    gen = torch.Generator().manual_seed(seed)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return module

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kda_cp.parallel.conv import causal_conv1d
 
-from _dist import run_ranks
+from tests._dist import run_ranks
 
 
 def _reference(x, weight, bias=None):

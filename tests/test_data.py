@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kda_cp.data import ByteCorpus, DataConfig, load_corpus, shard_range, stdlib_files, unigram_entropy
+from kda_cp.data import ByteCorpus, DataConfig, load_corpus, stdlib_files, unigram_entropy
+from kda_cp.parallel.sharding import shard_bounds
 
 
 def _corpus(seq_len=37, batch_size=6, seed=3, n=20_000, val_fraction=0.05):
@@ -80,7 +81,7 @@ def test_shards_tile_the_global_batch(dp, cp):
     for d in range(dp):
         parts = [corpus.train_batch(9, d, dp, r, cp) for r in range(cp)]
         for r, (x, _) in enumerate(parts):
-            a, b = shard_range(37, r, cp)
+            a, b = shard_bounds(37, cp)[r]
             assert x.shape == (6 // dp, b - a)
         rows.append((torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)))
     assert torch.equal(torch.cat([r[0] for r in rows]), X)
@@ -88,13 +89,6 @@ def test_shards_tile_the_global_batch(dp, cp):
     # The val split is sharded the same way.
     Xv, _ = corpus.val_batch(1)
     assert torch.equal(torch.cat([corpus.val_batch(1, 0, 1, r, cp)[0] for r in range(cp)], 1), Xv)
-
-
-def test_shard_range_matches_sharding_helper():
-    from kda_cp.parallel.sharding import shard_bounds
-
-    for T, P in [(37, 3), (512, 2), (10, 4), (3, 4)]:
-        assert [shard_range(T, r, P) for r in range(P)] == shard_bounds(T, P)
 
 
 def test_val_batches_fixed_and_inside_val_split():

@@ -9,7 +9,8 @@ from kda_cp.layers import AttentionConfig, AttentionLayer
 from kda_cp.model import KDALanguageModel, ModelConfig
 from kda_cp.parallel.attention import causal_attention, cp_attention
 
-from _dist import run_ranks
+from tests._dist import run_ranks
+from tests._utils import perturbed
 
 
 def test_causal_attention_matches_masked_softmax():
@@ -56,15 +57,6 @@ def test_cp_attention_matches_unsharded(lengths):
 HYBRID = dict(d_model=32, n_layers=4, num_heads=2, head_dim=16, chunk_size=16, layer_pattern="KKKA")
 
 
-def _perturbed(module, seed):
-    gen = torch.Generator().manual_seed(seed)
-    module = module.double()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return module
-
-
 def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
     import torch.distributed as dist
 
@@ -80,7 +72,7 @@ def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
 @pytest.mark.parametrize("lengths", [[23, 18], [10, 17, 14]], ids=["p2-uneven", "p3-uneven"])
 def test_hybrid_model_cp_matches_unsharded(lengths):
     torch.manual_seed(0)
-    model = _perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 5)
+    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 5)
     assert [b.mixer for b in model.blocks] == ["K", "K", "K", "A"]
     T = sum(lengths)
     ids = torch.randint(0, 256, (2, T))
@@ -106,3 +98,14 @@ def test_attention_layer_is_causal_and_checks_input():
         layer(torch.randn(2, 5, 15))
     with pytest.raises(ValueError, match="layer_pattern"):
         ModelConfig(layer_pattern="KXA")
+
+
+def test_model_rejects_token_ids_outside_the_vocabulary():
+    model = KDALanguageModel(ModelConfig(**{**HYBRID, "vocab_size": 50}))
+    ids = torch.randint(0, 50, (1, 20))
+    assert model(ids).shape == (1, 20, 50)
+    for bad in (50, -1):
+        ids_bad = ids.clone()
+        ids_bad[0, 7] = bad
+        with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size\) = \[0, 50\)"):
+            model(ids_bad)

@@ -10,24 +10,18 @@ import torch
 
 from kda_cp.kernels.bwd_mirror import chunk_kda_bwd_mirror, chunk_kda_state_grad_mirror
 from kda_cp.reference import chunk_kda_torch, naive_recurrent_kda
+from tests._utils import make_inputs, rel_rms
 
 TOL = 1e-10
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def _rel(ref, out):
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 def _inputs(B, T, H, K, V, n_states, g_min=-5.0):
-    q = torch.randn(B, T, H, K, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
-    v = torch.randn(B, T, H, V, dtype=torch.float64)
-    g = g_min * torch.sigmoid(torch.randn(B, T, H, K, dtype=torch.float64))
-    beta = torch.rand(B, T, H, dtype=torch.float64)
-    h0 = torch.randn(n_states, H, K, V, dtype=torch.float64)
+    """make_inputs (fast gates: every channel decays within a sub-chunk or two), then fp64 h0,
+    do and dht for ``n_states`` sequences."""
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V, g_min=g_min, gates="fast")
+    h0, dht = (torch.randn(n_states, H, K, V, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, T, H, V, dtype=torch.float64)
-    dht = torch.randn(n_states, H, K, V, dtype=torch.float64)
     return q, k, v, g, beta, h0, do, dht
 
 
@@ -46,7 +40,7 @@ def _check(ref, out, tol=TOL):
     for name, r, o in zip(NAMES, ref, out):
         assert o.shape == r.shape, f"{name}: shape {tuple(o.shape)} != {tuple(r.shape)}"
         assert torch.isfinite(o).all(), f"{name}: non-finite"
-        err = _rel(r, o)
+        err = rel_rms(r, o)
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
@@ -109,7 +103,7 @@ def test_state_grad_mirror():
     scale = K ** -0.5
     ref = _autograd(naive_recurrent_kda, q, k, v, g, beta, h0, do, None, scale)[5]
     out = chunk_kda_state_grad_mirror(q, k, v, g, beta, scale=scale, do=do)
-    assert _rel(ref, out) <= TOL, f"dh0: relative error {_rel(ref, out):.3e}"
+    assert rel_rms(ref, out) <= TOL, f"dh0: relative error {rel_rms(ref, out):.3e}"
 
 
 def test_dk_operand_split_keeps_dg_accurate():
@@ -125,7 +119,7 @@ def test_dk_operand_split_keeps_dg_accurate():
     q, k, v, do = (x.to(torch.bfloat16).double() for x in (q, k, v, do))
     kw = dict(scale=K ** -0.5, do=do)
     exact = chunk_kda_bwd_mirror(q, k, v, g, beta, **kw)
-    err = {p: _rel(exact[3], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=p, **kw)[3]) for p in (1, 2)}
-    dq_two = _rel(exact[0], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=2, **kw)[0])
+    err = {p: rel_rms(exact[3], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=p, **kw)[3]) for p in (1, 2)}
+    dq_two = rel_rms(exact[0], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=2, **kw)[0])
     assert err[2] <= 4e-3 and dq_two <= 4e-3, (err, dq_two)  # dM's own bf16 rounding: ~1.6e-3
     assert err[1] >= 4 * err[2], err  # why the second piece is there

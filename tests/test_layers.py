@@ -8,19 +8,10 @@ import torch
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.model import KDALanguageModel, ModelConfig
 
-from _dist import run_ranks
+from tests._dist import run_ranks
+from tests._utils import perturbed
 
 CFG = dict(d_model=32, num_heads=2, head_dim=16, chunk_size=16)
-
-
-def _perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """fp64 copy with every parameter moved off its init (norm weights != 1, A_log != 0, ...)."""
-    gen = torch.Generator().manual_seed(seed)
-    module = module.double()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return module
 
 
 def test_layer_shapes_and_gate():
@@ -38,7 +29,7 @@ def test_layer_shapes_and_gate():
 
 def test_layer_is_causal():
     torch.manual_seed(0)
-    layer = _perturbed(KDALayer(KDAConfig(**CFG)), 1)
+    layer = perturbed(KDALayer(KDAConfig(**CFG)), 1)
     x = torch.randn(2, 40, 32, dtype=torch.float64)
     y = layer(x)
     x2 = x.clone()
@@ -84,7 +75,7 @@ def _layer_body(rank, world_size, state, x, dy, lengths):
 @pytest.mark.parametrize("lengths", [[29, 21], [10, 25, 15]], ids=["p2-uneven", "p3-uneven"])
 def test_layer_cp_matches_unsharded(lengths):
     torch.manual_seed(0)
-    layer = _perturbed(KDALayer(KDAConfig(**CFG)), 7)
+    layer = perturbed(KDALayer(KDAConfig(**CFG)), 7)
     T = sum(lengths)
     x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(2, T, 32, dtype=torch.float64)
@@ -118,7 +109,7 @@ def _model_body(rank, world_size, state, ids, dlogits):
 
 def test_model_cp2_matches_unsharded():
     torch.manual_seed(0)
-    model = _perturbed(KDALanguageModel(ModelConfig(**MODEL_CFG)), 3)
+    model = perturbed(KDALanguageModel(ModelConfig(**MODEL_CFG)), 3)
     ids = torch.randint(0, 256, (2, 45))
     dlogits = torch.randn(2, 45, 256, dtype=torch.float64)
     logits = model(ids)

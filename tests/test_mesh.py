@@ -6,7 +6,7 @@ import pytest
 
 from kda_cp.parallel.mesh import ParallelDims
 
-from _dist import run_ranks
+from tests._dist import run_ranks
 
 
 def test_validation():

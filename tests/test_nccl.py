@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_ranks
+from tests._dist import run_ranks
 from test_cp_gpu import _fp64_reference, _inputs, _unsharded_tilelang, check_cp
 from tests._utils import assert_close
 

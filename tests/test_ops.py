@@ -44,8 +44,20 @@ def test_bad_initial_state(inputs):
 def test_bad_cu_seqlens(inputs):
     q, k, v, g, beta, _ = inputs
     one = [x[:1] for x in (q, k, v, g, beta)]
-    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
-        chunk_kda(*one, cu_seqlens=torch.tensor([0, 5, 3, 20]))
+    for cu, pattern in (([0, 5, 3, 20], "must not decrease"), ([2, 5, 20], "must start at 0"),
+                        ([0, 5, 19], r"end at the packed length T = 20"), ([0], "at least one sequence")):
+        with pytest.raises(ValueError, match=pattern):
+            chunk_kda(*one, cu_seqlens=torch.tensor(cu))
+        with pytest.raises(ValueError, match=pattern):  # the same rules for a list
+            chunk_kda(*one, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="integer tensor"):
+        chunk_kda(*one, cu_seqlens=torch.tensor([0.0, 20.0]))
+    with pytest.raises(ValueError, match="hold ints"):
+        chunk_kda(*one, cu_seqlens=[0, 7.5, 20])
+    # a list is accepted and means the same as the tensor
+    o_list, _ = chunk_kda(*one, cu_seqlens=[0, 7, 7, 20])
+    o_tensor, _ = chunk_kda(*one, cu_seqlens=torch.tensor([0, 7, 7, 20]))
+    assert torch.equal(o_list, o_tensor)
     with pytest.raises(ValueError, match="B == 1"):
         chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 20]))
 
@@ -58,6 +70,30 @@ def test_bad_chunk_size_and_backend(inputs):
         chunk_kda(q, k, v, g, beta, backend="cuda")
     with pytest.raises(NotImplementedError, match="CUDA"):
         chunk_kda(q, k, v, g, beta, backend="tilelang")
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "beta", "initial_state"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_an_input_is_an_error_not_a_nan_output(inputs, name, bad):
+    args = dict(zip(["q", "k", "v", "g", "beta", "initial_state"], [x.clone() for x in inputs]))
+    args[name].view(-1)[7] = bad
+    q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
+    with pytest.raises(ValueError, match=f"{name} must be finite"):
+        chunk_kda(q, k, v, g, beta, initial_state=args["initial_state"])
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=args["initial_state"], check_gate=False)  # unchecked: it propagates
+    assert not torch.isfinite(o).all()
+
+
+def test_bad_values_and_types_name_what_was_expected(inputs):
+    q, k, v, g, beta, h0 = inputs
+    with pytest.raises(ValueError, match=r"beta .* must lie in \[0, 1\]"):
+        chunk_kda(q, k, v, g, beta * 3)
+    with pytest.raises(ValueError, match="initial_state must be a torch.Tensor"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0.numpy())
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        chunk_kda(q, k, v, g, beta, scale=float("nan"))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        chunk_kda(q, k, v, g, beta, chunk_size=16.0)
 
 
 def test_gate_below_the_declared_bound(inputs):

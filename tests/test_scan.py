@@ -82,6 +82,8 @@ def test_bad_stack_and_method():
         scan.total(rand_maps(2), "bogus")
     with pytest.raises(ValueError, match="empty"):
         scan.total(rand_maps(0))
+    with pytest.raises(ValueError, match="empty"):
+        scan.exclusive_scan(rand_maps(0))
 
 
 def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from _dist import run_command
+from tests._dist import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -144,7 +144,7 @@ def _torchrun(nproc: int, cp: int, run_dir: Path):
 def test_deepspeed_runs_as_one_process_without_a_launcher(tmp_path):
     """`python scripts/train.py deepspeed=zero1 parallel.cp=1` (no torchrun) gets a one-rank group,
     and its curve is the plain single-process one."""
-    from _deepspeed import require_deepspeed
+    from tests._deepspeed import require_deepspeed
 
     require_deepspeed()
     _in_process(tmp_path / "plain", ["optim.warmup_steps=1"])

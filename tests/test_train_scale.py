@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from _deepspeed import has_deepspeed, require_deepspeed
-from _dist import kill_tree, run_command
+from tests._deepspeed import has_deepspeed, require_deepspeed
+from tests._dist import kill_tree, run_command
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import torch
 from kda_cp.ops import chunk_kda
 from kda_cp.parallel.ulysses import resolve_impl, ulysses_kda
 
-from _deepspeed import require_deepspeed
-from _dist import run_ranks
+from tests._deepspeed import require_deepspeed
+from tests._dist import run_ranks
 
 
 def _inputs(B, T, H, K, V, seed=0):
@@ -51,10 +51,12 @@ def test_ulysses_matches_unsharded(P, H, impl):
         torch.testing.assert_close(got, inputs[i].grad, rtol=1e-10, atol=1e-11, msg=lambda m: f"{name}: {m}")
 
 
-def _bad_body(rank, world_size, inputs, T_r):
+def _bad_body(rank, world_size, inputs, T_r, bad_gate_rank=None):
     import torch.distributed as dist
 
-    xs = [t[:, : T_r[rank]] for t in inputs]
+    xs = [t[:, : T_r[rank]].clone() for t in inputs]
+    if rank == bad_gate_rank:
+        xs[3][0, 3, 1, 2] = 0.5  # a positive log decay in one head of one rank's shard
     try:
         ulysses_kda(*xs, cp_group=dist.group.WORLD, chunk_size=16, impl="torch")
     except ValueError as e:
@@ -67,5 +69,8 @@ def test_ulysses_bad_input():
     assert all("num_heads % cp" in e for e in errs)
     errs = run_ranks(_bad_body, 2, _inputs(1, 20, 2, 4, 4), [10, 7])
     assert all("equal shards" in e for e in errs)
+    # a bad value on one rank: every rank raises (before the all-to-all), none waits for the timeout
+    errs = run_ranks(_bad_body, 2, _inputs(1, 20, 2, 4, 4), [10, 10], 1, timeout=60)
+    assert "g is a log decay" in errs[1] and "rank(s) [1]" in errs[0], errs
     with pytest.raises(ValueError, match="ulysses_impl"):
         resolve_impl("nccl")

@@ -92,6 +92,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
 
     Returns:
         o: [B, L, H, D] in q's dtype.
+
+    Raises:
+        ValueError: k does not hold exactly the offset + L keys the queries can see.
     """
     L, S = q.shape[1], k.shape[1]
     if S != offset + L:
@@ -118,6 +121,9 @@ def cp_attention(
 
     Returns:
         o: [B, T_r, H, D]; equal, forward and backward, to the rows of the unsharded attention.
+
+    Raises:
+        ValueError: q, k, v are not [B, T, H, D] / [B, T, H, Dv] alike.
     """
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(

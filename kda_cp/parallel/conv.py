@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kda_cp.ops import check_cu_seqlens
 from kda_cp.parallel.exchange import group_rank_and_size
 from kda_cp.parallel.sharding import shard_lengths
 
@@ -94,6 +95,9 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | Non
     Returns:
         [B, halo, D] in x's dtype: rows T_start - halo .. T_start - 1 of the global sequence, zeros
         where those positions are before the start of the sequence (always zeros on rank 0).
+
+    Raises:
+        ValueError: halo < 0.
     """
     if halo < 0:
         raise ValueError(f"halo must be >= 0, got {halo}")
@@ -137,13 +141,8 @@ def _conv_varlen(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _check_cu_seqlens(cu_seqlens, x: torch.Tensor, total: int) -> torch.Tensor:
     if x.shape[0] != 1:
         raise ValueError(f"with cu_seqlens, x must be packed: [1, T, D], got shape {tuple(x.shape)}")
-    cu = torch.as_tensor(cu_seqlens)
-    if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {tuple(cu.shape)} {cu.dtype}")
-    cs = cu.tolist()
-    if cs[0] != 0 or cs[-1] != total or any(b < a for a, b in zip(cs[:-1], cs[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, not decrease, and end at the global T = {total}; got {cs}")
-    return cu
+    check_cu_seqlens(cu_seqlens, total)
+    return torch.as_tensor(cu_seqlens)
 
 
 def causal_conv1d(

@@ -31,8 +31,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kda_cp.ops import chunk_kda
-from kda_cp.parallel.sharding import shard_lengths
+from kda_cp.ops import check_inputs, chunk_kda
+from kda_cp.parallel.exchange import agree_or_raise
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
 
@@ -86,14 +86,34 @@ class _HeadToSeq(torch.autograd.Function):
 def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     """[B, T/P, H, *] sequence shards -> [B, T, H/P, *] head shards (differentiable all-to-all).
 
-    Rank j of the group gets heads [j H/P, (j+1) H/P) of the whole sequence.
+    Rank j of the group gets heads [j H/P, (j+1) H/P) of the whole sequence. Collective: every
+    rank of ``group`` calls it with the same B, T/P, H and trailing dims.
+
+    Raises:
+        ValueError: x is not at least 3-D, or H is not divisible by the group size P.
     """
+    _check_heads(x, group, "seq_to_head", "H")
     return _SeqToHead.apply(x, group)
 
 
 def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, T, H/P, *] head shards -> [B, T/P, H, *] sequence shards (the inverse of :func:`seq_to_head`)."""
+    """[B, T, H/P, *] head shards -> [B, T/P, H, *] sequence shards (the inverse of :func:`seq_to_head`).
+
+    Collective, like :func:`seq_to_head`.
+
+    Raises:
+        ValueError: x is not at least 3-D, or T is not divisible by the group size P.
+    """
+    _check_heads(x, group, "head_to_seq", "T")
     return _HeadToSeq.apply(x, group)
+
+
+def _check_heads(x: torch.Tensor, group, what: str, split: str) -> None:
+    P = dist.get_world_size(group)
+    dim = {"H": 2, "T": 1}[split]
+    if x.dim() < 3 or x.shape[dim] % P:
+        raise ValueError(f"{what}: x must be [B, T, H, ...] with {split} divisible by the group size {P}, "
+                         f"got {tuple(x.shape)}")
 
 
 def resolve_impl(impl: str) -> str:
@@ -131,6 +151,7 @@ def ulysses_kda(
     backend: str = "auto",
     g_min: float | None = -5.0,
     impl: UlyssesImpl = "auto",
+    check_gate: bool = True,
 ) -> torch.Tensor:
     """KDA on a sequence sharded over ``cp_group``, head-parallel (Ulysses).
 
@@ -138,28 +159,40 @@ def ulysses_kda(
         q, k: [B, T_r, H, K]; v: [B, T_r, H, V]; g: [B, T_r, H, K] (log decay); beta: [B, T_r, H]:
             this rank's contiguous shard, T_r = T / P on every rank.
         cp_group: the CP group (collective), or None / size 1 (then plain chunk_kda).
-        chunk_size, backend, g_min: passed to :func:`kda_cp.chunk_kda`.
+        chunk_size, backend, g_min, check_gate: as in :func:`kda_cp.chunk_kda` (the value checks run
+            on every rank's shard before the exchange).
         impl: "deepspeed" (DistributedAttention), "torch" (own all-to-all), or "auto".
 
     Returns:
         o: [B, T_r, H, V]; equal to the rows of the unsharded chunk_kda (no initial/final state).
 
     Raises:
-        ValueError: H not divisible by P, unequal shard lengths, or a bad ``impl``.
+        ValueError: on every rank of the group when any rank's shard fails :func:`kda_cp.ops.check_inputs`
+            (shapes, g outside [g_min, 0], NaN/Inf, beta outside [0, 1]), H not divisible by P,
+            unequal shard lengths, or a bad ``impl``. Checked before any exchange: nothing hangs.
     """
     kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min)
     P = 1 if cp_group is None else dist.get_world_size(cp_group)
     if P == 1:
-        return chunk_kda(q, k, v, g, beta, **kw)[0]
-    H = q.shape[2]
-    if H % P:
-        raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={H}, cp={P}")
-    lengths = shard_lengths(q, cp_group)
+        return chunk_kda(q, k, v, g, beta, check_gate=check_gate, **kw)[0]
+    # Every rank checks its own shard before any exchange, and all ranks raise together: a bad
+    # value on one rank must not leave the others blocked in the all-to-all.
+    error = None
+    try:
+        impl = resolve_impl(impl)
+        check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False)
+        if q.shape[2] % P:
+            raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={q.shape[2]}, cp={P}")
+    except ValueError as exc:
+        error = str(exc)
+    T_r = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
+    table = agree_or_raise([T_r], error, cp_group, "ulysses_kda", device=getattr(q, "device", None))
+    lengths = table[:, 1].tolist()
     if len(set(lengths)) != 1:
         raise ValueError(
             f"parallel.strategy=ulysses needs equal shards (data.seq_len % cp == 0), got shard lengths {lengths}"
         )
-    impl = resolve_impl(impl)
+    kw["check_gate"] = False  # checked above, on every rank's shard
     if impl == "torch":
         qh, kh, vh, gh, bh = (seq_to_head(t, cp_group) for t in (q, k, v, g, beta))
         o, _ = chunk_kda(qh, kh, vh, gh, bh, **kw)

@@ -14,6 +14,8 @@ import dataclasses
 
 import torch
 
+from kda_cp.ops import check_cu_seqlens as _check
+
 __all__ = ["ShardSegments", "check_cu_seqlens", "shard_segments"]
 
 
@@ -55,27 +57,14 @@ class ShardSegments:
 
 
 def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:
-    """The global offsets as a list, after checking them.
+    """The global offsets as a list: :func:`kda_cp.ops.check_cu_seqlens` without empty sequences
+    (a CP shard boundary must fall inside or between non-empty sequences).
 
     Raises:
-        ValueError: not a 1-D integer sequence of >= 2 entries, not starting at 0, decreasing, or
-            (when ``total`` is given) not ending at the total length.
+        ValueError: not 1-D integers, fewer than 2 entries, not starting at 0, not strictly
+            increasing, or (when ``total`` is given) not ending at the total length.
     """
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {list(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        cs = cu_seqlens.tolist()
-    else:
-        cs = list(cu_seqlens)
-    if len(cs) < 2 or cs[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {cs}")
-    if any(b <= a for a, b in zip(cs[:-1], cs[1:])):
-        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {cs}")
-    if total is not None and cs[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must end at the total length over all ranks ({total} tokens), got cu_seqlens[-1] = {cs[-1]}"
-        )
-    return cs
+    return _check(cu_seqlens, total, allow_empty=False)
 
 
 def shard_segments(cu_seqlens, start: int, end: int) -> ShardSegments:
