@@ -78,7 +78,7 @@ def verify(path: Path) -> tuple[int | None, str]:
     try:
         meta = json.loads(manifest.read_text())
         step, files = int(meta["step"]), dict(meta["files"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         return None, f"unreadable {MANIFEST}: {exc}"
     for rel, size in files.items():
         f = path / rel
@@ -99,12 +99,12 @@ class CheckpointManager:
         keep: number of complete checkpoints kept (>= 1; 2 keeps a fallback).
 
     Raises:
-        ValueError: keep < 1.
+        ValueError: keep is not an int >= 1.
     """
 
     def __init__(self, run_dir: str | Path, rank: int, barrier: Callable[[], None], keep: int = 2) -> None:
-        if keep < 1:
-            raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {keep}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"trainer.keep_checkpoints must be an int >= 1, got {keep!r}")
         self.root = Path(run_dir) / "checkpoints"
         self.rank = rank
         self.barrier = barrier
@@ -114,7 +114,13 @@ class CheckpointManager:
         return self.root / f"{_PREFIX}{step:08d}"
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Collective: every rank calls ``write(tmp_dir)`` to put its files in; returns the final dir."""
+        """Collective: every rank calls ``write(tmp_dir)`` to put its files in; returns the final dir.
+
+        Raises:
+            ValueError: step is not an int >= 0 (checked before anything is written).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
         final = self.path(step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}"
         if self.rank == 0:

@@ -16,6 +16,7 @@ slice of the unsharded logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,10 @@ class ModelConfig:
                 f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "
                 f"got {self.layer_pattern!r}"
             )
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"ModelConfig.mlp_hidden must be >= 1 or None (8/3 d_model rounded to 64), got {self.mlp_hidden}")
+        if not (self.init_std > 0 and math.isfinite(self.init_std)):
+            raise ValueError(f"ModelConfig.init_std must be > 0 and finite, got {self.init_std}")
         if "K" in self.layer_pattern:
             self.kda_config()  # its checks (chunk_size, backend, ...) at config time, not at the first forward
 

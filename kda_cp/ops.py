@@ -68,6 +68,12 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
     return cs
 
 
+def check_scale(scale) -> None:
+    """ValueError unless ``scale`` (the output scale) is None (K ** -0.5) or a finite real number."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None (K ** -0.5), got {scale!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     """ValueError unless ``chunk_size`` is a positive int that is a multiple of the 16-token
     sub-chunk (or a single sub-chunk shorter than 16)."""
@@ -134,7 +140,7 @@ def check_inputs(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_chunk_size(chunk_size)
-    if g_min is not None and not -5.0 <= g_min < 0.0:
+    if g_min is not None and (isinstance(g_min, bool) or not isinstance(g_min, (int, float)) or not -5.0 <= g_min < 0.0):
         raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):
         raise ValueError(f"initial_state must be a torch.Tensor [N, H, K, V] or None, got {type(initial_state).__name__}")
@@ -502,8 +508,7 @@ def chunk_kda(
         cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64,
                                   device=q.device if isinstance(q, torch.Tensor) else None)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None (K ** -0.5), got {scale!r}")
+    check_scale(scale)
     q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -91,6 +91,8 @@ class ParallelConfig:
     (deepspeed when installed)."""
 
     def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.strategy not in CP_STRATEGIES:
             raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
         if self.ulysses_impl not in ("auto", "deepspeed", "torch"):
@@ -242,6 +244,9 @@ def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
     """Initialize torch.distributed from torchrun's environment (or run as one process without it)
     and build the ("dp", "cp") DeviceMesh. ``need_group``: one process without torchrun still gets
     a process group of one rank and the mesh (DeepSpeed needs them)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("parallel.device=cuda, but this torch build or machine has no CUDA device "
+                         "(parallel.device=auto picks the CPU here)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -479,7 +484,9 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
         ValueError: on every rank, when a fresh run is pointed at a used run directory.
     """
     run_dir, used = cfg.run_dir, ""
-    if layout.rank == 0:
+    if layout.rank == 0 and run_dir is not None and Path(run_dir).exists() and not Path(run_dir).is_dir():
+        used = f"not a directory: {run_dir}"
+    elif layout.rank == 0:
         if run_dir is None:  # unique even when two runs start within the same second
             stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
             run_dir, n = stamp, 0
@@ -491,6 +498,8 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
             if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
                 used = str(run_dir)
     run_dir, used = _broadcast_object((run_dir, used), layout)
+    if used.startswith("not a directory: "):
+        raise ValueError(f"trainer.run_dir must be a directory (or not exist yet), {used}")
     if used:
         raise ValueError(
             f"trainer.run_dir={used} already holds a run (checkpoints or metrics.jsonl) that a fresh run "
@@ -560,8 +569,18 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     ckpts = CheckpointManager(run_dir, layout.rank, barrier, keep=cfg.trainer.keep_checkpoints)
     start_step = 0
     if cfg.trainer.resume:
-        found = ckpts.latest() if is_main else None
-        found = _broadcast_object(found, layout)
+        found, why = (ckpts.latest(), "") if is_main else (None, "")
+        if found is not None:  # checked on rank 0, raised on every rank
+            saved_ranks = len(list(found.path.glob("rng_rank*.pt")))
+            if found.step > cfg.trainer.max_steps:
+                why = (f"trainer.resume: the newest checkpoint {found.path} is at step {found.step}, past "
+                       f"trainer.max_steps={cfg.trainer.max_steps}: raise max_steps to continue it")
+            elif saved_ranks != layout.world_size:
+                why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
+                       f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
+        found, why = _broadcast_object((found, why), layout)
+        if why:
+            raise ValueError(why)
         if found is not None:
             client = engine.load(found.path)
             start_step = int(client["step"])

@@ -51,8 +51,15 @@ def test_interrupted_write_leaves_previous(tmp_path):
     assert m.latest().step == 1
     m.save(2, _write(b"again"))  # a later save of the same step replaces the leftover
     assert m.latest().step == 2
-    with pytest.raises(ValueError, match="keep_checkpoints"):
-        CheckpointManager(tmp_path, 0, lambda: None, keep=0)
+    for keep in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="keep_checkpoints"):
+            CheckpointManager(tmp_path, 0, lambda: None, keep=keep)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        m.save(-1, _write(b"x"))
+    bad = tmp_path / "checkpoints" / "step_00000099"  # a manifest naming an absurd step is skipped, not a crash
+    bad.mkdir()
+    (bad / MANIFEST).write_text('{"step": 1e400, "files": {}}')
+    assert verify(bad)[0] is None and m.latest().step == 2
 
 
 def test_resave_of_a_step_never_leaves_it_missing(tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +137,33 @@ def test_cp_matches_unsharded(name):
     # Parameter grads: each rank holds its shard's part; the sum over ranks is the full gradient.
     torch.testing.assert_close(sum(r["dw"] for r in res), wr.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(sum(r["db"] for r in res), br.grad, rtol=1e-12, atol=1e-12)
+
+
+def _bad_cp_body(rank, world_size, case):
+    import torch.distributed as dist
+
+    x, w = torch.randn(1, 10, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 7, 20])
+    if case == "cu_seqlens-on-rank-1" and rank == 1:
+        cu = torch.tensor([0, 9, 20])
+    if case == "width-on-rank-1" and rank == 1:
+        w = torch.randn(5, 3, dtype=torch.float64)
+    if case == "bad-bias-on-rank-1" and rank == 1:
+        cu = None
+    try:
+        causal_conv1d(x, w, torch.randn(3) if case == "bad-bias-on-rank-1" and rank == 1 else None,
+                      cp_group=dist.group.WORLD, cu_seqlens=cu)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("cu_seqlens-on-rank-1", ["ranks disagree", "ranks disagree"]),
+    ("width-on-rank-1", ["ranks disagree", "ranks disagree"]),
+    ("bad-bias-on-rank-1", [r"rank\(s\) \[1\]", "bias"]),
+])
+def test_bad_input_under_cp_raises_on_every_rank(case, expect):
+    """Checked before the halo exchange: one rank's bad input must not leave the other blocked."""
+    for rank, (msg, pattern) in enumerate(zip(run_ranks(_bad_cp_body, 2, case, timeout=60), expect)):
+        assert re.search(pattern, msg), f"rank {rank}: {msg!r}"

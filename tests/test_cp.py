@@ -84,18 +84,25 @@ def _error_rank(rank, world, case):
         h0 = h0[:, :1]
     if case == "bad-initial-state":
         h0 = h0[:, :, :3]
+    kwargs = {}
+    if case == "bad-backend-on-rank-1" and rank == 1:
+        kwargs["backend"] = "bogus"
+    if case == "nan-scale-on-rank-1" and rank == 1:
+        kwargs["scale"] = float("nan")
     if case == "not-in-group":
         group = dist.new_group(ranks=[0])
         if rank == 0:
             return "skipped"
     try:
-        cp_chunk_kda(q, k, v, g, beta, cp_group=group, initial_state=h0)
+        cp_chunk_kda(q, k, v, g, beta, cp_group=group, initial_state=h0, **kwargs)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
 @pytest.mark.parametrize("case,expect", [
+    ("bad-backend-on-rank-1", [r"rank\(s\) \[1\]", r"rank 1: backend must be one of"]),
+    ("nan-scale-on-rank-1", [r"rank\(s\) \[1\]", r"rank 1: scale must be a finite number"]),
     ("bad-g-on-rank-1", [r"rank\(s\) \[1\]", r"rank 1: g must be the per-channel log decay"]),
     ("ranks-disagree-on-H", ["ranks disagree", "ranks disagree"]),
     ("bad-initial-state", [r"initial_state must be \[N, H, K, V\]"] * 2),
@@ -130,6 +137,8 @@ def _option_mismatch_rank(rank, world, case):
         kwargs["exchange"] = "p2p" if rank else "allgather"
     if case == "cu_seqlens":
         kwargs["cu_seqlens"] = torch.tensor([0, 64] if rank == 0 else [0, 9, 64])
+    if case == "cu_seqlens-same-count-and-weighted-sum":  # equal length and sum((i + 1) * c): a weak check's blind spot
+        kwargs["cu_seqlens"] = torch.tensor([0, 2, 6, 8, 64] if rank == 0 else [0, 3, 4, 9, 64])
     if case == "scale":
         kwargs["scale"] = 0.5 if rank else 0.25
     try:
@@ -139,7 +148,7 @@ def _option_mismatch_rank(rank, world, case):
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["exchange", "cu_seqlens", "scale"])
+@pytest.mark.parametrize("case", ["exchange", "cu_seqlens", "cu_seqlens-same-count-and-weighted-sum", "scale"])
 def test_ranks_that_disagree_on_options_raise_instead_of_hanging(case):
     for rank, msg in enumerate(run_ranks(_option_mismatch_rank, 2, case, timeout=90)):
         assert "ranks disagree on the options" in msg, f"rank {rank}: {msg!r}"

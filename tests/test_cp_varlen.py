@@ -110,8 +110,12 @@ def _bad_rank(rank, world, case):
         cu = [0, 12, 59]
     if case == "disagreeing-lengths" and rank == 1:
         q, k, v, g, beta = (x[:, :29] for x in (q, k, v, g, beta))
+    h0 = None
+    if case == "nan-initial-state":
+        h0 = torch.randn(len(cu) - 1, 2, 8, 4, dtype=q.dtype)
+        h0[1, 0, 3, 2] = float("nan")
     try:
-        cp_chunk_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, cu_seqlens=torch.tensor(cu))
+        cp_chunk_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, cu_seqlens=torch.tensor(cu), initial_state=h0)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -122,6 +126,7 @@ def _bad_rank(rank, world, case):
     ("not-from-zero", "must start at 0"),
     ("wrong-total", r"ends at 59 but the ranks hold \[30, 30\]"),
     ("disagreeing-lengths", r"ends at 60 but the ranks hold \[30, 29\]"),
+    ("nan-initial-state", "initial_state must be finite"),
 ])
 def test_bad_cu_seqlens_raise_on_every_rank(case, pattern):
     for rank, msg in enumerate(run_ranks(_bad_rank, 2, case, timeout=90)):

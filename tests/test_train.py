@@ -78,11 +78,18 @@ def test_layout():
         train_script.build_layout(world_size=4, rank=0, cp=3, device=torch.device("cpu"))
 
 
-def test_bad_train_config():
+def test_bad_train_config(tmp_path):
     with pytest.raises(ValueError, match="parallel.cp=2"):
         train_script.train(_cfg(TINY + ["parallel.cp=2"]))
     with pytest.raises(ValueError, match="trainer.run_dir"):
         train_script.train(_cfg(TINY + ["trainer.resume=true"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="parallel.device=cuda, but"):
+            train_script.train(_cfg(TINY + ["parallel.cp=1", "parallel.device=cuda"]))
+    (tmp_path / "a_file").write_text("notes")
+    with pytest.raises(ValueError, match="trainer.run_dir must be a directory"):
+        train_script.train(_cfg(TINY + ["parallel.cp=1", f"trainer.run_dir={tmp_path / 'a_file'}"]))
+    assert (tmp_path / "a_file").read_text() == "notes"
 
 
 def test_tiny_run_writes_outputs(tmp_path):
@@ -129,6 +136,8 @@ def test_resume_continues_exactly(tmp_path):
     lrs = [m["lr"] for m in got if "lr" in m]
     assert lrs[2] > lrs[3] > lrs[4] > 0  # past the warmup: the cosine moves at every resumed step
     assert resumed["steps"] == 5 and resumed["tokens"] == 3 * 4 * 96  # steps 3..5 trained again
+    with pytest.raises(ValueError, match=r"at step 5, past trainer.max_steps=3"):  # never a mislabelled checkpoint
+        _in_process(part, extra[1:] + ["trainer.max_steps=3", "trainer.resume=true"])
 
 
 def _torchrun(nproc: int, cp: int, run_dir: Path):
@@ -192,6 +201,9 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
         ("optim.beta2=1.0", "optim.beta2"),
         ("model.chunk_size=40", "chunk_size"),
         ("model.backend=cuda", "KDAConfig.backend"),
+        ("model.mlp_hidden=0", "ModelConfig.mlp_hidden"),
+        ("model.init_std=-1", "ModelConfig.init_std"),
+        ("parallel.device=tpu", "parallel.device"),
     ],
 )
 def test_bad_scale_config_names_the_field(override, field):

@@ -182,6 +182,10 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     # the same batches, weights, optimizer state, schedule and layout: bit-identical losses
     assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
     assert _metrics(run, "val_loss")[40] == _metrics(tmp_path / "full", "val_loss")[40]
+    if ds == "none":  # resuming a 2-rank checkpoint in one process: a clear error, not a missing-file crash
+        with pytest.raises(ValueError, match="written by 2 ranks, this run has 1"):
+            _train_module().train(_compose([o for o in KILL if o != "parallel.cp=2"]
+                                           + ["parallel.cp=1", f"trainer.run_dir={run}", "trainer.resume=true"]))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -51,14 +51,21 @@ def test_ulysses_matches_unsharded(P, H, impl):
         torch.testing.assert_close(got, inputs[i].grad, rtol=1e-10, atol=1e-11, msg=lambda m: f"{name}: {m}")
 
 
-def _bad_body(rank, world_size, inputs, T_r, bad_gate_rank=None):
+def _bad_body(rank, world_size, inputs, T_r, bad_gate_rank=None, case=None):
     import torch.distributed as dist
 
     xs = [t[:, : T_r[rank]].clone() for t in inputs]
     if rank == bad_gate_rank:
         xs[3][0, 3, 1, 2] = 0.5  # a positive log decay in one head of one rank's shard
+    kwargs = {}
+    if case == "fewer-heads-on-rank-1" and rank == 1:
+        xs = [t[:, :, :2] for t in xs]
+    if case == "bad-backend-on-rank-1" and rank == 1:
+        kwargs["backend"] = "bogus"
+    if case == "bad-g_min-type-on-rank-1" and rank == 1:
+        kwargs["g_min"] = "x"
     try:
-        ulysses_kda(*xs, cp_group=dist.group.WORLD, chunk_size=16, impl="torch")
+        ulysses_kda(*xs, cp_group=dist.group.WORLD, chunk_size=16, impl="torch", **kwargs)
     except ValueError as e:
         return str(e)
     return None
@@ -72,5 +79,11 @@ def test_ulysses_bad_input():
     # a bad value on one rank: every rank raises (before the all-to-all), none waits for the timeout
     errs = run_ranks(_bad_body, 2, _inputs(1, 20, 2, 4, 4), [10, 10], 1, timeout=60)
     assert "g is a log decay" in errs[1] and "rank(s) [1]" in errs[0], errs
+    # ranks that disagree, or one rank with a bad option: every rank raises, before the exchange
+    errs = run_ranks(_bad_body, 2, _inputs(1, 20, 4, 4, 4), [10, 10], None, "fewer-heads-on-rank-1", timeout=60)
+    assert all("ranks disagree on [B, H, K, V, dtype, g_min]" in e for e in errs), errs
+    for case, message in (("bad-backend-on-rank-1", "backend must be one of"), ("bad-g_min-type-on-rank-1", "g_min")):
+        errs = run_ranks(_bad_body, 2, _inputs(1, 20, 2, 4, 4), [10, 10], None, case, timeout=60)
+        assert message in errs[1] and "rank(s) [1]" in errs[0], (case, errs)
     with pytest.raises(ValueError, match="ulysses_impl"):
         resolve_impl("nccl")

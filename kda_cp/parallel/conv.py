@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kda_cp.ops import check_cu_seqlens
-from kda_cp.parallel.exchange import group_rank_and_size
+from kda_cp.parallel.exchange import agree_or_raise, digest, dtype_code, group_rank_and_size
 from kda_cp.parallel.sharding import shard_lengths
 
 __all__ = ["causal_conv1d", "halo_exchange"]
@@ -175,13 +175,34 @@ def causal_conv1d(
 
     Raises:
         ValueError: bad shapes or dtypes, or cu_seqlens that do not end at the global T (the
-            message names the argument and the expected shape).
+            message names the argument and the expected shape); under CP, on every rank when any
+            rank's inputs fail or the ranks disagree on B, D, W, bias, dtype or cu_seqlens
+            (checked before the halo exchange: nothing hangs).
     """
-    _check(x, weight, bias)
+    rank, size = group_rank_and_size(cp_group)
+    if size > 1:
+        # Every rank checks its inputs before the halo exchange and all raise together: a bad
+        # input on one rank must not leave the others blocked in a collective.
+        error, meta = None, [0] * 8  # as long as the meta row below, whatever fails
+        try:
+            _check(x, weight, bias)
+            cu_code = [0, 0]
+            if cu_seqlens is not None:
+                cs = check_cu_seqlens(cu_seqlens)
+                cu_code = [len(cs), digest(cs)]
+            meta = [x.shape[1], x.shape[0], x.shape[2], weight.shape[1], int(bias is not None), dtype_code(x.dtype), *cu_code]
+        except Exception as exc:
+            error = f"causal_conv1d on rank {rank}: {exc}"
+        table = agree_or_raise(meta, error, cp_group, "causal_conv1d", device=getattr(x, "device", None))
+        if not bool((table[:, 2:] == table[0, 2:]).all()):
+            raise ValueError("causal_conv1d: ranks disagree on [B, D, W, bias, dtype, cu_seqlens]; every rank of the "
+                             f"group must pass its shard of the same sequence (rows per rank: {table[:, 2:].tolist()})")
+        lengths = table[:, 1].tolist()
+    else:
+        _check(x, weight, bias)
     W = weight.shape[1]
-    if group_rank_and_size(cp_group)[1] > 1:
-        lengths = shard_lengths(x, cp_group)
-        start = sum(lengths[: dist.get_rank(cp_group)])
+    if size > 1:
+        start = sum(lengths[:rank])
         xp = torch.cat([halo_exchange(x, W - 1, cp_group, lengths), x], dim=1)
     else:
         lengths, start = [x.shape[1]], 0

@@ -41,14 +41,16 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import Backend, BackendName, KDAOptions, check_inputs, chunk_kda, dense_on_cuda, get_backend
-from kda_cp.parallel.exchange import agree_or_raise, all_gather_stack, group_rank_and_size, p2p_exclusive_scan
+from kda_cp.ops import (Backend, BackendName, KDAOptions, check_inputs, check_scale, chunk_kda, dense_on_cuda,
+                        get_backend)
+from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
+                                     group_rank_and_size, p2p_exclusive_scan)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
 
 __all__ = ["cp_chunk_kda", "cp_chunk_kda_in_one_process", "Exchange", "choose_exchange"]
 
 Exchange = Literal["auto", "allgather", "p2p"]
-_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: With more ranks than this, "auto" scans over point-to-point sends (O(log P) pairs per rank)
 #: instead of all-gathering P pairs to every rank.
 P2P_ABOVE = 8
@@ -376,7 +378,9 @@ def cp_chunk_kda(
             while checking them is turned into this), the ranks disagree on B, H, K, V, dtype,
             the options (exchange, scan_method, scale, g_min) or cu_seqlens, cu_seqlens is not
             increasing from 0 to the sum of the local lengths, or a shard is empty; when this
-            process is not in ``cp_group``.
+            process is not in ``cp_group``. Also a bad ``backend`` name or ``scale``.
+        NotImplementedError: on the rank whose inputs ``backend="tilelang"`` does not cover (the
+            other ranks get the ValueError naming it).
 
     Gradients of the replicated ``initial_state`` and final states assume the global loss is the
     sum of the ranks' losses (as data-parallel training does): do not all-reduce
@@ -385,7 +389,7 @@ def cp_chunk_kda(
     Collective: every rank of ``cp_group`` must call it (and run backward) in the same order.
     """
     rank, size = group_rank_and_size(cp_group)
-    error, cu_code = None, [0, 0]
+    error, cu_code, unsupported = None, [0, 0], None
     try:
         if scan_method not in ("sequential", "log_depth"):
             raise ValueError(f"scan_method must be 'sequential' or 'log_depth', got {scan_method!r}")
@@ -394,25 +398,32 @@ def cp_chunk_kda(
                 raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got q {list(q.shape)}")
             cs_local = check_cu_seqlens(cu_seqlens)
             n_seq = len(cs_local) - 1
-            cu_code = [len(cs_local), sum((i + 1) * c for i, c in enumerate(cs_local)) % (1 << 61)]
+            cu_code = [len(cs_local), digest(cs_local)]
             if initial_state is not None and initial_state.shape[0] != n_seq:
                 raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
                                  f"got {list(initial_state.shape)}")
             check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False)
-            if initial_state is not None:
+            if initial_state is not None:  # shape and device (as for one sequence), then values
                 check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min,
                              layout_warning=False)
+                if check_gate and initial_state.numel() and not bool(torch.isfinite(initial_state).all()):
+                    raise ValueError("initial_state must be finite (NaN or Inf in the input)")
         else:
             check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min, layout_warning=False)
         if q.shape[1] < 1:
             raise ValueError("every rank's shard must hold at least one token (T_r >= 1)")
+        check_scale(scale)
         exchange_kind = choose_exchange(exchange, size)
+        dense = dense_on_cuda(q, k, v, g, beta)
+        impl = get_backend(backend, *dense, None, g_min, chunk_size)  # a bad backend fails here, on its rank
     except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
         exchange_kind = "allgather"
+        if isinstance(exc, NotImplementedError):  # inputs the backend asked for does not cover: keep the type
+            unsupported = exc
     if size == 1:
         if error is not None:
-            raise ValueError(error)
+            raise (NotImplementedError if unsupported is not None else ValueError)(error)
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device)
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
@@ -420,16 +431,20 @@ def cp_chunk_kda(
     ok_shapes = error is None
     shape = list(q.shape) if ok_shapes else [0, 0, 0, 0]
     V = v.shape[-1] if ok_shapes else 0
-    same = [shape[0], shape[2], shape[3], V, _DTYPES.get(q.dtype, 0), int(initial_state is not None),
-            int(output_final_state), chunk_size, int(cu_seqlens is not None)]
+    same = [shape[0], shape[2], shape[3], V, dtype_code(q.dtype) if ok_shapes else 0, int(initial_state is not None),
+            int(output_final_state), chunk_size if ok_shapes else 0, int(cu_seqlens is not None)]
     options = [int(exchange_kind == "p2p"), int(scan_method == "sequential"),
-               int(round(float(scale or 0.0) * 1e9)) if ok_shapes else 0,
-               int(round(float(g_min or 0.0) * 1e9)) if ok_shapes else 0, *cu_code]
+               float_code(scale) if ok_shapes else 0, float_code(g_min) if ok_shapes else 0, *cu_code]
     device = q.device if ok_shapes else None
-    table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
+    try:
+        table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
+    except ValueError as exc:
+        if unsupported is not None:
+            raise NotImplementedError(str(exc)) from unsupported
+        raise
     n_same = len(same)
     if not bool((table[:, 1:1 + n_same] == table[0, 1:1 + n_same]).all()):
-        names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
+        names = {dtype_code(dt): str(dt).replace("torch.", "") for dt in _FLOAT_DTYPES}
         rows = [[*r[:4], names.get(r[4], "?"), *(bool(x) for x in r[5:7]), r[7], bool(r[8])]
                 for r in table[:, 1:1 + n_same].tolist()]
         raise ValueError(
@@ -454,8 +469,7 @@ def cp_chunk_kda(
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
-    impl = get_backend(backend, q, k, v, g, beta, None, g_min, chunk_size)
+    q, k, v, g, beta = dense
     plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
     sdt = reference._compute_dtype(q.dtype)
     n_states = B if segs is None else n_rows

@@ -7,10 +7,32 @@ it, in the same order.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "p2p_exclusive_scan"]
+__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "digest", "dtype_code", "float_code",
+           "p2p_exclusive_scan"]
+
+
+def digest(values) -> int:
+    """A 62-bit BLAKE2b digest of a sequence of ints: ranks compare it (through
+    :func:`agree_or_raise`) to agree on a variable-length list, e.g. cu_seqlens, without sending it."""
+    data = b"".join(int(v).to_bytes(16, "little", signed=True) for v in values)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def float_code(x: float | None) -> int:
+    """The bits of a float (None -> 0) as an int64, to compare float options exactly across ranks
+    (NaN and Inf included; no rounding)."""
+    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def dtype_code(dtype) -> int:
+    """A small int naming a floating dtype (0 for anything else), for :func:`agree_or_raise`."""
+    return {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}.get(dtype, 0)
 
 # torch >= 2.13 names the single-tensor all-gather all_gather_single; older releases
 # all_gather_into_tensor. Both take a flat output of P * numel elements on gloo and NCCL.
