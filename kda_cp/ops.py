@@ -144,6 +144,10 @@ def check_inputs(
         raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):
         raise ValueError(f"initial_state must be a torch.Tensor [N, H, K, V] or None, got {type(initial_state).__name__}")
+    if initial_state is not None and not initial_state.is_floating_point():
+        raise ValueError(f"initial_state must be a real floating-point tensor (fp32), got {initial_state.dtype}")
+    if K < 1:
+        raise ValueError(f"q and k need a head dim K >= 1, got q {_shape(q)}")
     n_states = B
     if cu_seqlens is not None:
         if B != 1:

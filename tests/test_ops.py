@@ -94,6 +94,10 @@ def test_bad_values_and_types_name_what_was_expected(inputs):
         chunk_kda(q, k, v, g, beta, scale=float("nan"))
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         chunk_kda(q, k, v, g, beta, chunk_size=16.0)
+    with pytest.raises(ValueError, match="initial_state must be a real floating-point tensor"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0.to(torch.complex128))
+    with pytest.raises(ValueError, match="head dim K >= 1"):
+        chunk_kda(q[..., :0], k[..., :0], v, g[..., :0], beta)
 
 
 def test_gate_below_the_declared_bound(inputs):
