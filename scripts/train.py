@@ -677,6 +677,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         "val_loss": val_loss,
         "unigram_entropy": entropy,
         "steps": cfg.trainer.max_steps,
+        "start_step": start_step,  # > 0 after a resume; tokens, times and rates count this invocation only
         "tokens": global_tokens * (cfg.trainer.max_steps - start_step),
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
@@ -699,9 +700,9 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         if cfg.trainer.plot:
             _plot(run_dir, history, entropy)
         logger.info(
-            "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (%d steps, %.0f s) | "
+            "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (steps %d-%d in %.0f s) | "
             "median %.0f tokens/s%s | peak memory %.2f GiB (%s)",
-            val_loss, entropy, cfg.trainer.max_steps, summary["wall_time_s"], summary["median_tokens_per_s"],
+            val_loss, entropy, start_step + 1, cfg.trainer.max_steps, summary["wall_time_s"], summary["median_tokens_per_s"],
             f", MFU {summary['median_mfu']:.1%}" if mfus else "", summary["peak_memory_gib"], summary["peak_memory_kind"],
         )
     return summary

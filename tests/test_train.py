@@ -135,7 +135,7 @@ def test_resume_continues_exactly(tmp_path):
     assert [m["step"] for m in got if "loss" in m] == [1, 2, 3, 4, 5]
     lrs = [m["lr"] for m in got if "lr" in m]
     assert lrs[2] > lrs[3] > lrs[4] > 0  # past the warmup: the cosine moves at every resumed step
-    assert resumed["steps"] == 5 and resumed["tokens"] == 3 * 4 * 96  # steps 3..5 trained again
+    assert (resumed["steps"], resumed["start_step"], resumed["tokens"]) == (5, 2, 3 * 4 * 96)  # steps 3..5 this time
     with pytest.raises(ValueError, match=r"at step 5, past trainer.max_steps=3"):  # never a mislabelled checkpoint
         _in_process(part, extra[1:] + ["trainer.max_steps=3", "trainer.resume=true"])
 
