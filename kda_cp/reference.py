@@ -165,7 +165,9 @@ class _ChunkIntra(NamedTuple):
 def _chunk_intra(q, k, v, g, beta, chunk_size, with_output=True) -> _ChunkIntra:
     """Gates, decayed products and the UT transform of every chunk: no state needed."""
     B, T, H, K = k.shape
-    C = chunk_size
+    # A chunk longer than the sequence only adds inert padding: cap it at T rounded up to whole
+    # sub-chunks (chunk_size=32768 on T=20 would otherwise build 32768 x 32768 blocks).
+    C = chunk_size if chunk_size <= SUB_CHUNK else min(chunk_size, -(-max(T, 1) // SUB_CHUNK) * SUB_CHUNK)
     N = (T + C - 1) // C
     pad = N * C - T
     if pad:

@@ -169,3 +169,13 @@ def test_head_first_layout_warns():
     q, k, v, g, beta, _ = make_inputs(1, 3, 40, 8, 4, dtype=torch.float32)
     with pytest.warns(UserWarning, match=r"chunk_kda got q with T < H"):
         chunk_kda(q, k, v, g, beta)
+
+
+def test_a_chunk_longer_than_the_sequence_costs_only_the_sequence(inputs):
+    """chunk_size = 2**15 on T = 20: the torch backend caps the chunk at T rounded up to 16 (it used
+    to allocate 2**15 x 2**15 blocks) and gives chunk_size=64's answer."""
+    q, k, v, g, beta, h0 = inputs
+    o_big, ht_big = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=1 << 15)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o_big, o, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ht_big, ht, rtol=1e-5, atol=1e-6)
