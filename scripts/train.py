@@ -121,21 +121,18 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables)."""
 
     def __post_init__(self) -> None:
-        checks = {
-            "lr": self.lr > 0 and math.isfinite(self.lr),
-            "min_lr_ratio": 0.0 <= self.min_lr_ratio <= 1.0,
-            "warmup_steps": self.warmup_steps >= 0,
-            "weight_decay": self.weight_decay >= 0,
-            "beta1": 0.0 <= self.beta1 < 1.0,
-            "beta2": 0.0 <= self.beta2 < 1.0,
-            "eps": self.eps > 0,
-            "grad_clip": self.grad_clip >= 0,
-        }
-        rules = {"lr": "> 0 and finite", "min_lr_ratio": "in [0, 1]", "warmup_steps": ">= 0", "weight_decay": ">= 0",
-                 "beta1": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0", "grad_clip": ">= 0 (0 disables)"}
-        for name, ok in checks.items():
+        for name, ok, rule in (
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "> 0 and finite"),
+            ("min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
+            ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables)"),
+        ):
             if not ok:
-                raise ValueError(f"optim.{name} must be {rules[name]}, got {getattr(self, name)}")
+                raise ValueError(f"optim.{name} must be {rule}, got {getattr(self, name)}")
 
 
 @dataclass
@@ -481,30 +478,26 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
     refuses a directory that already holds a run's checkpoints or metrics, which it would overwrite.
 
     Raises:
-        ValueError: on every rank, when a fresh run is pointed at a used run directory.
+        ValueError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
     """
-    run_dir, used = cfg.run_dir, ""
-    if layout.rank == 0 and run_dir is not None and Path(run_dir).exists() and not Path(run_dir).is_dir():
-        used = f"not a directory: {run_dir}"
-    elif layout.rank == 0:
+    run_dir, error = cfg.run_dir, ""
+    if layout.rank == 0:
         if run_dir is None:  # unique even when two runs start within the same second
             stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
             run_dir, n = stamp, 0
             while Path(run_dir).exists():
                 n += 1
                 run_dir = f"{stamp}-{n}"
+        elif Path(run_dir).exists() and not Path(run_dir).is_dir():
+            error = f"trainer.run_dir must be a directory (or not exist yet), not a file: {run_dir}"
         elif not cfg.resume:
             ckpt_dir, metrics = Path(run_dir) / "checkpoints", Path(run_dir) / "metrics.jsonl"
             if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
-                used = str(run_dir)
-    run_dir, used = _broadcast_object((run_dir, used), layout)
-    if used.startswith("not a directory: "):
-        raise ValueError(f"trainer.run_dir must be a directory (or not exist yet), {used}")
-    if used:
-        raise ValueError(
-            f"trainer.run_dir={used} already holds a run (checkpoints or metrics.jsonl) that a fresh run "
-            "would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir"
-        )
+                error = (f"trainer.run_dir={run_dir} already holds a run (checkpoints or metrics.jsonl) that a fresh "
+                         "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
+    run_dir, error = _broadcast_object((run_dir, error), layout)
+    if error:
+        raise ValueError(error)
     run_dir = Path(run_dir)
     if layout.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

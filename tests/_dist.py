@@ -53,17 +53,22 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     return victims
 
 
-def run_command(cmd: list[str], *, timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` that, past ``timeout`` seconds, kills
-    the whole process tree and raises AssertionError with the tail of what it printed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate()`` with a deadline: past ``timeout`` seconds, kill the whole process
+    tree and raise AssertionError with the tail of what it printed."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd[:6])} ... ran past {timeout} s; killed it and its workers.\n"
-                             f"stderr tail:\n{err[-4000:]}") from None
+        _, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, proc.args[:6]))} ... ran past {timeout} s; killed it and its "
+                             f"workers.\nstderr tail:\n{(err or '')[-4000:]}") from None
+
+
+def run_command(cmd: list[str], *, timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` with :func:`finish`'s deadline."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    out, err = finish(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

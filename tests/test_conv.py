@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kda_cp.parallel.conv import causal_conv1d
 

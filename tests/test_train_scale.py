@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests._deepspeed import has_deepspeed, require_deepspeed
-from tests._dist import kill_tree, run_command
+from tests._dist import finish, kill_tree, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -124,15 +124,6 @@ def _launch(run_dir: Path, extra=()) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 300):
-    """communicate() with a deadline; past it, kill the launcher and its ranks and fail."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        pytest.fail(f"training ran past {timeout} s; killed it and its ranks")
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -147,7 +138,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
         require_deepspeed()
     extra = [f"deepspeed={ds}"]
     full = _launch(tmp_path / "full", extra)
-    _, err = _finish(full)
+    _, err = finish(full, 300)
     assert full.returncode == 0, err[-6000:]
 
     run = tmp_path / "killed"
@@ -168,7 +159,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     steps_before = max(_metrics(run, "loss"))
 
     resumed = _launch(run, extra + ["trainer.resume=true"])
-    _, err = _finish(resumed)
+    _, err = finish(resumed, 300)
     assert resumed.returncode == 0, err[-6000:]
     import re
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kda_cp.ops import check_cu_seqlens
-from kda_cp.parallel.exchange import agree_or_raise, digest, dtype_code, group_rank_and_size
+from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code, group_rank_and_size
 from kda_cp.parallel.sharding import shard_lengths
 
 __all__ = ["causal_conv1d", "halo_exchange"]
@@ -183,21 +183,16 @@ def causal_conv1d(
     if size > 1:
         # Every rank checks its inputs before the halo exchange and all raise together: a bad
         # input on one rank must not leave the others blocked in a collective.
-        error, meta = None, [0] * 8  # as long as the meta row below, whatever fails
-        try:
+
+        def check():
             _check(x, weight, bias)
-            cu_code = [0, 0]
-            if cu_seqlens is not None:
-                cs = check_cu_seqlens(cu_seqlens)
-                cu_code = [len(cs), digest(cs)]
-            meta = [x.shape[1], x.shape[0], x.shape[2], weight.shape[1], int(bias is not None), dtype_code(x.dtype), *cu_code]
-        except Exception as exc:
-            error = f"causal_conv1d on rank {rank}: {exc}"
-        table = agree_or_raise(meta, error, cp_group, "causal_conv1d", device=getattr(x, "device", None))
-        if not bool((table[:, 2:] == table[0, 2:]).all()):
-            raise ValueError("causal_conv1d: ranks disagree on [B, D, W, bias, dtype, cu_seqlens]; every rank of the "
-                             f"group must pass its shard of the same sequence (rows per rank: {table[:, 2:].tolist()})")
-        lengths = table[:, 1].tolist()
+            cs = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else []
+            return x.shape[1], [x.shape[0], x.shape[2], weight.shape[1], int(bias is not None), dtype_code(x.dtype),
+                                len(cs), digest(cs)]
+
+        lengths = check_and_agree(check, cp_group, "causal_conv1d",
+                                  ("B", "D", "W", "bias", "dtype", "len(cu_seqlens)", "cu_seqlens digest"),
+                                  device=getattr(x, "device", None))
     else:
         _check(x, weight, bias)
     W = weight.shape[1]

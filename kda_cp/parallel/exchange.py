@@ -13,8 +13,8 @@ import struct
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "digest", "dtype_code", "float_code",
-           "p2p_exclusive_scan"]
+__all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "check_and_agree", "digest", "dtype_code",
+           "float_code", "p2p_exclusive_scan"]
 
 
 def digest(values) -> int:
@@ -103,6 +103,32 @@ def agree_or_raise(meta: list[int], error: str | None, group, what: str, device=
     if bad:
         raise ValueError(f"{what}: rank(s) {bad} of the cp_group rejected their inputs (see their errors)")
     return table
+
+
+def check_and_agree(check, group, what: str, fields: tuple[str, ...], device=None) -> list[int]:
+    """Validate this rank's inputs, then agree with every rank of ``group`` before any exchange.
+
+    ``check()`` raises on bad local input, or returns (this rank's shard length, one int per name
+    in ``fields``: shapes, :func:`dtype_code`, :func:`float_code`, :func:`digest`, ...). Any
+    exception on any rank, or ranks whose fields differ, raise ValueError on every rank (through
+    :func:`agree_or_raise`), so nothing blocks in a later collective.
+
+    Returns:
+        every rank's shard length, by rank.
+    """
+    rank = group_rank_and_size(group)[0]
+    error, row = None, [0] * (1 + len(fields))  # a failing rank sends a row of the same length
+    try:
+        length, meta = check()
+        row = [length, *meta]
+        assert len(row) == 1 + len(fields), (what, fields, row)
+    except Exception as exc:
+        error = f"{what} on rank {rank}: {exc}"
+    table = agree_or_raise(row, error, group, what, device=device)
+    if not bool((table[:, 2:] == table[0, 2:]).all()):
+        raise ValueError(f"{what}: ranks disagree on [{', '.join(fields)}]; every rank of the group must pass "
+                         f"its shard of the same tensors (rows per rank: {table[:, 2:].tolist()})")
+    return table[:, 1].tolist()
 
 
 def _peer(group, rank: int) -> int:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kda_cp.ops import BACKENDS, check_inputs, chunk_kda
-from kda_cp.parallel.exchange import agree_or_raise, dtype_code, float_code
+from kda_cp.parallel.exchange import check_and_agree, dtype_code, float_code
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
 
@@ -177,23 +177,19 @@ def ulysses_kda(
         return chunk_kda(q, k, v, g, beta, check_gate=check_gate, **kw)[0]
     # Every rank checks its own shard before any exchange, and all ranks raise together: a bad
     # value on one rank must not leave the others blocked in the all-to-all.
-    error, meta = None, [0] * 7
-    try:
-        impl = resolve_impl(impl)
+    def check():
+        resolve_impl(impl)  # a bad name raises here, on its rank
         check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False)
         if q.shape[2] % P:
             raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={q.shape[2]}, cp={P}")
         if backend not in BACKENDS:  # a bad name fails here, on its rank, not inside the exchange
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         B, T_r, H, K = q.shape
-        meta = [T_r, B, H, K, v.shape[-1], dtype_code(q.dtype), float_code(g_min)]
-    except Exception as exc:  # any failure on one rank must reach every rank before the all-to-all
-        error = f"ulysses_kda on rank {dist.get_rank(cp_group)}: {exc}"
-    table = agree_or_raise(meta, error, cp_group, "ulysses_kda", device=getattr(q, "device", None))
-    if not bool((table[:, 2:] == table[0, 2:]).all()):
-        raise ValueError("ulysses_kda: ranks disagree on [B, H, K, V, dtype, g_min]; every rank of the group "
-                         f"must pass its shard of the same tensors (rows per rank: {table[:, 2:].tolist()})")
-    lengths = table[:, 1].tolist()
+        return T_r, [B, H, K, v.shape[-1], dtype_code(q.dtype), float_code(g_min)]
+
+    lengths = check_and_agree(check, cp_group, "ulysses_kda", ("B", "H", "K", "V", "dtype", "g_min"),
+                              device=getattr(q, "device", None))
+    impl = resolve_impl(impl)
     if len(set(lengths)) != 1:
         raise ValueError(
             f"parallel.strategy=ulysses needs equal shards (data.seq_len % cp == 0), got shard lengths {lengths}"
