@@ -2,7 +2,8 @@
 
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
-the CP shard summary launch for the given head dim and dtype (chunk_kda's TileLang backend always
+the CP shard summary launch for the given head dim and dtype (the state + output pass in every
+launch of state.STATE_LAUNCHES) (chunk_kda's TileLang backend always
 runs the forward with an initial and a final state; the other three variants serve direct callers of
 kda_cp.kernels.chunk_kda_fwd).
 
@@ -15,7 +16,7 @@ import time
 from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
 from kda_cp.kernels.bwd_state import build_bwd_state_kernel
 from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel
-from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
+from kda_cp.kernels.state import STATE_LAUNCHES, build_state_output_kernel, build_summary_kernel
 
 
 def main():
@@ -30,8 +31,10 @@ def main():
         scale = float(K**-0.5)
         builds = {
             "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
-            **{f"state+output h0={h0} ht={ht}": (lambda h0=h0, ht=ht: build_state_output_kernel(
-                None, K, K, C, dt, with_h0=h0, store_ht=ht)) for h0 in (True, False) for ht in (True, False)},
+            **{f"state+output h0={h0} ht={ht} block_v={bv} threads={th}": (
+                lambda h0=h0, ht=ht, bv=bv, th=th: build_state_output_kernel(
+                    None, K, K, C, dt, with_h0=h0, store_ht=ht, block_v=bv, threads=th))
+               for h0 in (True, False) for ht in (True, False) for bv, th in STATE_LAUNCHES},
             "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
             "summary state": lambda: build_summary_kernel(None, K, K, C),
             "CP summary state from prepared": lambda: build_summary_kernel(None, K, K, C, dtype=dt),

@@ -74,3 +74,70 @@ def perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
         for p in module.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return module
+
+
+def async_mma_events(src, loop_header):
+    """The loop of generated CUDA that opens with `loop_header`, as a list of events: ("bar",),
+    ("fence",), ("wait",), ("issue", {buffers the MMA group reads}), ("store", buffer) for stores
+    into 16-bit or TF32 shared operands."""
+    start = src.index(loop_header)
+    depth, end = 0, start
+    for end in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[end], 0)
+        if depth == 0 and src[end] == "}":
+            break
+    events, reads = [], set()
+    for line in src[start:end].splitlines():
+        if "__syncthreads()" in line:
+            events.append(("bar",))
+        elif "fence_proxy_async" in line:
+            events.append(("fence",))
+        elif "wait_wgmma" in line:
+            events.append(("wait",))
+        elif "initialize_wgmma_descriptor" in line:
+            reads.add(re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+)\)", line).group(1))
+        elif "warpgroup_commit_batch" in line:
+            events.append(("issue", frozenset(reads)))
+            reads = set()
+        else:
+            m = re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)(\[| \+).*\) ="
+                          r"|\(\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)\[.*\] =", line)
+            if m:
+                events.append(("store", m.group(1) or m.group(3)))
+    return events
+
+
+def assert_async_mma_order(events):
+    """Asynchronous MMAs of two warpgroups and the stores into their shared operands, in a loop
+    taken cyclically (iterations follow each other): every store into a shared operand must come
+    after the wait of the last MMA group that read it and a block barrier after that wait (else the
+    other warpgroup's MMA may still read it), and every MMA group must come after a barrier and a
+    proxy fence that follow the last store into what it reads."""
+    stored = {e[1] for e in events if e[0] == "store"}
+    read = set().union(*(e[1] for e in events if e[0] == "issue"))
+    assert stored and read and stored <= read, (stored, read)
+    n = len(events)
+    for i, e in enumerate(events):
+        if e[0] == "store":  # backwards: a barrier, then a wait, before any group reading it
+            seen_bar = False
+            for j in range(1, n):
+                f = events[(i - j) % n]
+                if f[0] == "bar":
+                    seen_bar = True
+                elif f[0] == "wait" and seen_bar:
+                    break
+                elif f[0] == "issue" and e[1] in f[1]:
+                    raise AssertionError(f"store into {e[1]} (event {i}) can race an MMA that reads it")
+        if e[0] == "issue":  # backwards: a fence, then a barrier, before any store into what it reads
+            seen_fence = seen_bar = False
+            for j in range(1, n):
+                f = events[(i - j) % n]
+                if f[0] == "fence":
+                    seen_fence = True
+                elif f[0] == "bar" and seen_fence:
+                    seen_bar = True
+                elif f[0] == "issue" and seen_bar:
+                    break
+                elif f[0] == "store" and f[1] in e[1]:
+                    assert seen_bar, f"MMA group (event {i}) may read {f[1]} before its store is visible"
+                    break

@@ -57,3 +57,17 @@ def test_chunk_tables_fixed_and_packed():
     assert t.chunk_table.tolist() == [[0, 15], [15, 256], [79, 256], [143, 256], [207, 256],
                                       [256, 300]]
     assert t.seq_table.tolist() == [[0, 1, 0, 15], [1, 0, 15, 15], [1, 4, 15, 256], [5, 1, 256, 300]]
+
+
+def test_state_launch_fills_the_gpu():
+    """The launch picked for the benchmark shapes on an H200 (132 SMs) is the one measured fastest
+    there (state.state_launch's docstring), and every pick is one of STATE_LAUNCHES."""
+    from kda_cp.kernels.state import STATE_LAUNCHES, state_launch
+
+    assert state_launch(132, 1, 32, 128) == (32, 256)  # S1
+    assert state_launch(132, 8, 32, 128) == (64, 256)  # S2
+    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3
+    assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
+    assert state_launch(132, 4, 32, 64) == (64, 256)
+    for sms, N, H, V in [(132, 1, 1, 128), (132, 3, 4, 64), (78, 2, 32, 128), (132, 16, 64, 128)]:
+        assert state_launch(sms, N, H, V) in STATE_LAUNCHES

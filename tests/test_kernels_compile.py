@@ -11,7 +11,7 @@ About 5 minutes on 2 CPU cores (the chunk-local kernels take ~100 s each to comp
 import shutil
 
 import pytest
-from tests._utils import NEGATIVE_GAM_OFFSET
+from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, async_mma_events
 
 pytestmark = [pytest.mark.compile, pytest.mark.slow]
 
@@ -20,7 +20,8 @@ if shutil.which("nvcc") is None:
     pytest.skip("nvcc not found", allow_module_level=True)
 
 from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel  # noqa: E402
-from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel  # noqa: E402
+from kda_cp.kernels.state import (  # noqa: E402
+    STATE_LAUNCHES, build_state_output_kernel, build_summary_kernel)
 
 
 @pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
@@ -39,11 +40,16 @@ def test_decay_kernel_compiles(K, dtype):
     assert "float acc[64];" in src, "the gate scan adds in registers (a chain of shared-memory round trips was slower)"
 
 
-@pytest.mark.parametrize("K,dtype,with_h0,store_ht", [
-    (128, "bfloat16", True, True), (128, "bfloat16", False, False), (64, "float16", True, False)])
-def test_state_output_compiles(K, dtype, with_h0, store_ht):
-    ker = build_state_output_kernel(None, K, K, 64, dtype, with_h0=with_h0, store_ht=store_ht)
+@pytest.mark.parametrize("K,dtype,with_h0,store_ht,launch", [
+    (128, "bfloat16", True, True, (32, 256)), (128, "bfloat16", False, False, (64, 256)),
+    (128, "bfloat16", True, False, (16, 128)), (64, "float16", True, False, (32, 256))])
+def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
+    assert launch in STATE_LAUNCHES
+    block_v, threads = launch
+    ker = build_state_output_kernel(None, K, K, 64, dtype, with_h0=with_h0, store_ht=store_ht, block_v=block_v,
+                                    threads=threads)
     assert "wgmma" in ker.get_kernel_source()
+
 
 
 @pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (64, "bfloat16", "bf16x2"),
@@ -70,38 +76,6 @@ def test_summary_kernels_compile(K):
         assert "kBFloat16, tl::DataType::kBFloat16" not in s and "kFloat16, tl::DataType::kFloat16" not in s
 
 
-def _loop_events(src):
-    """The summary kernel's chunk loop as a list of events: ("bar",), ("fence",), ("wait",),
-    ("issue", {buffers the MMA group reads}), ("store", buffer) for stores into shared operands."""
-    import re
-
-    start = src.index("for (int c = 0; c < nc; ++c) {")
-    depth, end = 0, start
-    for end in range(start, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[end], 0)
-        if depth == 0 and src[end] == "}":
-            break
-    events, reads = [], set()
-    for line in src[start:end].splitlines():
-        if "__syncthreads()" in line:
-            events.append(("bar",))
-        elif "fence_proxy_async" in line:
-            events.append(("fence",))
-        elif "wait_wgmma" in line:
-            events.append(("wait",))
-        elif "initialize_wgmma_descriptor" in line:
-            reads.add(re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+)\)", line).group(1))
-        elif "warpgroup_commit_batch" in line:
-            events.append(("issue", frozenset(reads)))
-            reads = set()
-        else:
-            m = re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)(\[| \+).*\) ="
-                          r"|\(\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)\[.*\] =", line)
-            if m:
-                events.append(("store", m.group(1) or m.group(3)))
-    return events
-
-
 @pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (128, "bfloat16", "tf32x2"),
                                               (64, "float16", "bf16x2"), (128, "float32", "bf16x2")])
 def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
@@ -110,32 +84,5 @@ def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
     shared operand must come after the wait of the last MMA group that read it and a block barrier
     after that wait (else the other warpgroup's MMA may still read it), and every MMA group must
     come after a barrier and a proxy fence that follow the last store into what it reads."""
-    events = _loop_events(build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands).get_kernel_source())
-    stored = {e[1] for e in events if e[0] == "store"}
-    read = set().union(*(e[1] for e in events if e[0] == "issue"))
-    assert stored and read and stored <= read, (stored, read)
-    n = len(events)
-    for i, e in enumerate(events):
-        if e[0] == "store":  # backwards: a barrier, then a wait, before any group reading it
-            seen_bar = False
-            for j in range(1, n):
-                f = events[(i - j) % n]
-                if f[0] == "bar":
-                    seen_bar = True
-                elif f[0] == "wait" and seen_bar:
-                    break
-                elif f[0] == "issue" and e[1] in f[1]:
-                    raise AssertionError(f"store into {e[1]} (event {i}) can race an MMA that reads it")
-        if e[0] == "issue":  # backwards: a fence, then a barrier, before any store into what it reads
-            seen_fence = seen_bar = False
-            for j in range(1, n):
-                f = events[(i - j) % n]
-                if f[0] == "fence":
-                    seen_fence = True
-                elif f[0] == "bar" and seen_fence:
-                    seen_bar = True
-                elif f[0] == "issue" and seen_bar:
-                    break
-                elif f[0] == "store" and f[1] in e[1]:
-                    assert seen_bar, f"MMA group (event {i}) may read {f[1]} before its store is visible"
-                    break
+    assert_async_mma_order(async_mma_events(build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands)
+                                            .get_kernel_source(), "for (int c = 0; c < nc; ++c) {"))

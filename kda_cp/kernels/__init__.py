@@ -148,7 +148,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
-    from .state import build_state_output_kernel
+    from .state import build_state_output_kernel, state_launch
     dev = q.device
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -161,8 +161,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
                                          chunk_size=chunk_size, g_min=g_min)
     W, U, Qg, Kd, Aqk, Ec, tables = _prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
                                                       chunk_size, cu_seqlens)
+    block_v, threads = state_launch(torch.cuda.get_device_properties(dev).multi_processor_count, N, H, V)
     state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
-                                      store_ht=output_final_state)
+                                      store_ht=output_final_state, block_v=block_v, threads=threads)
     h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
     ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)
     state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
