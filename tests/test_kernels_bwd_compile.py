@@ -7,7 +7,7 @@ the "dk" kernel's GEMMs take bf16 operands.
 import shutil
 
 import pytest
-from tests._utils import NEGATIVE_GAM_OFFSET
+from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, async_mma_events
 
 pytestmark = pytest.mark.compile
 
@@ -53,8 +53,26 @@ def test_bwd_dk_compiles(K, dtype):
     # never fp16 operands, whose range the factors (up to e^80) exceed
     assert "kBFloat16, tl::DataType::kBFloat16" in src
     assert "kFloat16, tl::DataType::kFloat16" not in src and "kTensorFloat32" not in src
-    assert "for (int I = 0; I < 4; ++I)" in src  # the sub-chunk loop is not unrolled (1.5x slower)
+    # the chunk's 64 tokens as M: warpgroup MMAs (as M = 16 mma.sync GEMMs per sub-chunk, 4.96 ms at
+    # S1 on an H200, of which 1.6 ms the GEMMs)
+    assert "wgmma_ss" in src and "mma_sync" not in src
+    assert "__launch_bounds__(256, 2)" in src  # <= 128 registers: two blocks per SM (1.5x faster than one)
+    # the sub-chunk loops (row side by J, column side by I) are not unrolled (1.5x slower)
+    assert "for (int J = 0; J < 4; ++J)" in src and "for (int I = 0; I < 4; ++I)" in src
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
+
+
+@pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
+def test_bwd_dk_orders_async_mmas_and_table_stores(K, dtype):
+    """ "dk" issues each sub-chunk's four MMAs back to back and waits once; both warpgroups read the
+    factor tables that the next sub-chunk overwrites. In both loops (row side over J, column side
+    over I) every table store must follow the MMAs' wait and a barrier, and every MMA a barrier
+    and a proxy fence after the stores (tests/_utils.assert_async_mma_order)."""
+    src = build_bwd_dk_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
+    for loop in ("for (int J = 0; J < 4; ++J) {", "for (int I = 0; I < 4; ++I) {"):
+        events = async_mma_events(src, loop)
+        assert sum(e[0] == "issue" for e in events) == 4 and sum(e[0] == "wait" for e in events) == 1, events
+        assert_async_mma_order(events)
 
 
 def test_factory_rejects_bad_config():

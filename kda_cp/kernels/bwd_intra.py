@@ -18,9 +18,11 @@ kernel "ut"   (build_bwd_ut_kernel: the UT transform's backward)
     dB = Diag(beta) dA,  dGk = beta * dKb                              (gradient of Gamma * k)
 
 kernel "dk"   (build_bwd_dk_kernel: the decayed products' backward and the assembly)
-    row side   dx_i = exp(gamma_i - r_I) * sum_j dM_ij k_j exp(r_I - gamma_j)   (rows in sub-chunk I)
-    column side dk_j = exp(s_J - gamma_j) * sum_i dM_ij x_i exp(gamma_i - s_J)  (columns in sub-chunk J)
-        for (x, dM) = (q~, dAqk) and (k, dB); r_I = gamma[16 I - 1] (0 for I = 0), s_J = gamma[16 J + 15]
+    row side    dx_i += exp(gamma_i - s_J) * sum_{j in J} dM_ij k_j exp(s_J - gamma_j)   per column sub-chunk J
+    column side dk_j += exp(r_I - gamma_j) * sum_{i in I} dM_ij x_i exp(gamma_i - r_I)   per row sub-chunk I
+        for (x, dM) = (q~, dAqk) and (k, dB); r_I = gamma[16 I - 1] (0 for I = 0), s_J = gamma[16 J + 15];
+        each sum is one [C, 16] x [16, 64 channels] wgmma (M = the chunk's 64 tokens), the factor
+        outside it an fp32 multiply on the accumulator
     dq = scale (Gamma dQg + dx(Aqk))
     dk = Gamma dGk + exp(gamma_C - gamma) dKd + dx(B) + dk(B) + dk(Aqk)
     dgamma = q~ dq~ + k (Gamma dGk + dx(B) - dk(B) - dk(Aqk)) - Kd dKd,
@@ -145,6 +147,9 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     NSUB = C // BS
     R16 = tuple(range(BS))
     op = "bfloat16"  # decayed-product operands: factors up to exp(75) do not fit fp16
+    GT = threads // BS  # threads per row in the solve's block rows
+    if threads % BS or GT > BS or BS % GT:
+        raise ValueError(f"threads must be {BS} times a divisor of {BS}, got {threads}")
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -209,11 +214,11 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                     kp_s[r, d] = T.cast(
                         T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
                 for j, d in T.Parallel(C, K):
-                    ref = sub_chunk_ref(gam_s, I, d)
-                    km_s[j, d] = T.if_then_else(
-                        j < BS * (I + 1),
-                        T.cast(T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E), op),
-                        T.cast(0, op))
+                    if j < BS * (I + 1):  # a branch, not a select: no exponentials for the zero rows
+                        km_s[j, d] = T.cast(T.cast(k_s[j, d], f32)
+                                            * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E), op)
+                    else:
+                        km_s[j, d] = T.cast(0, op)
                 T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(BS, C):
                     B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
@@ -235,17 +240,27 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 for r in R16:
                     X_s[BS * I + r, BS * I + c] = x[r]
                     Td_s[I, r, c] = x[r]
+            # block rows: thread tx owns row r = tx // GT and columns c0 + GT m (as intra.py's solve)
+            tx = T.get_thread_binding()
+            r = tx // GT
+            c0 = tx % GT
             for I in tuple(range(1, NSUB)):
-                for r, c in T.Parallel(BS, BS * I):
-                    acc = T.alloc_var(f32, init=0)
-                    for j in T.serial(BS * I):
-                        acc = acc - B_s[BS * I + r, j] * X_s[j, c]
-                    tmp_s[r, c] = acc * beta_s[BS * I + r]
-                for r, c in T.Parallel(BS, BS * I):
-                    acc2 = T.alloc_var(f32, init=0)
-                    for j in T.serial(BS):
-                        acc2 = acc2 + Td_s[I, r, j] * tmp_s[j, c]
-                    X_s[BS * I + r, c] = acc2
+                M = BS * I // GT
+                a = T.alloc_local([M], f32)
+                for m in T.unroll(M):
+                    a[m] = T.float32(0)
+                for j in T.serial(BS * I):
+                    for m in T.unroll(M):
+                        a[m] = a[m] - B_s[BS * I + r, j] * X_s[j, c0 + GT * m]
+                for m in T.unroll(M):
+                    tmp_s[r, c0 + GT * m] = a[m] * beta_s[BS * I + r]
+                for m in T.unroll(M):
+                    a[m] = T.float32(0)
+                for j in T.serial(BS):
+                    for m in T.unroll(M):
+                        a[m] = a[m] + Td_s[I, r, j] * tmp_s[j, c0 + GT * m]
+                for m in T.unroll(M):
+                    X_s[BS * I + r, c0 + GT * m] = a[m]
             T.copy(X_s, Xc_s)
 
             # ---- dKb = X^T dW, dVb = X^T dU (operands loaded only now: short live ranges let the
@@ -319,6 +334,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
         DG: T.Tensor([TT, Hn, K], f32),
     ):
         with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
+            # two blocks per SM (~92 KB of shared memory each): registers capped at 128 per thread
+            # (uncapped, nvcc took 148 and the SM ran one block: 5.0 ms at S1 on an H200, 3.33 ms capped)
+            T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             k0 = ik * BK
@@ -327,22 +345,25 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             dgam_s = T.alloc_shared([C, BK], f32)
             k_s = T.alloc_shared([C, XP], dtype)
             q_s = T.alloc_shared([C, XP], dtype)
-            # the chunk's dAqk and dB (bf16), read once; each sub-chunk takes its rows and columns
+            # the chunk's dAqk and dB (bf16), read once: the GEMMs' A operands, sliced per sub-chunk
+            # (row side: its columns, K-major; column side: its rows, transposed)
             daq_s = T.alloc_shared([C, C], MID)
             dab_s = T.alloc_shared([C, C], MID)
-            # the assembly's inputs, read once with the others (one global round trip, not one per sub-chunk)
+            # the assembly's inputs, read once with the others
             dqg_s = T.alloc_shared([C, BK], MID)
             dkd_s = T.alloc_shared([C, BK], MID)
             dgk_s = T.alloc_shared([C, BK], MID)
-            # factor operand [channel, token], split into two bf16 pieces
-            fh_s = T.alloc_shared([BK, C], MID)
-            fl_s = T.alloc_shared([BK, C], MID)
-            rq_f = T.alloc_fragment([BS, BK], f32)
-            rk_f = T.alloc_fragment([BS, BK], f32)
-            cq_f = T.alloc_fragment([BS, BK], f32)
-            ck_f = T.alloc_fragment([BS, BK], f32)
-
-            pk_f = T.alloc_fragment([BS, BK], f32)  # running sum over rows of Kd * dKd
+            # one sub-chunk's factor tables [channel, token], each split into two bf16 pieces
+            th_s = T.alloc_shared([BK, BS], MID)
+            tl_s = T.alloc_shared([BK, BS], MID)
+            xqh_s = T.alloc_shared([BK, BS], MID)
+            xql_s = T.alloc_shared([BK, BS], MID)
+            xkh_s = T.alloc_shared([BK, BS], MID)
+            xkl_s = T.alloc_shared([BK, BS], MID)
+            p1_f = T.alloc_fragment([C, BK], f32)  # GEMM accumulators, [token, channel]
+            p2_f = T.alloc_fragment([C, BK], f32)
+            dxq_f = T.alloc_fragment([C, BK], f32)  # row side of Aqk; then the column sides' sum
+            dxk_f = T.alloc_fragment([C, BK], f32)  # row side of B; then dk without the column sides
             last_f = T.alloc_fragment([BK], f32)
             last_s = T.alloc_shared([BK], f32)
             acc = T.alloc_local([C], f32)  # one channel's column, in registers (threads < BK)
@@ -355,7 +376,6 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             for i, d in T.Parallel(C, BK):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, k0 + d], T.cast(0, dtype))
                 q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, k0 + d], T.cast(0, dtype))
-            T.clear(pk_f)
             # chunk-local cumsum: thread d < BK loads its channel's gates into registers (independent
             # loads), adds them in a register chain, then stores the column
             if tx < BK:
@@ -366,66 +386,80 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 for i in T.unroll(C):
                     gam_s[i, tx] = acc[i]
 
-            for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
-                # ---- row side: rows of sub-chunk I; factor k_j exp(r_I - gamma_j), j < 16(I+1) ----
-                for d, j in T.Parallel(BK, C):
-                    ref = sub_chunk_ref(gam_s, I, d)
-                    x = T.if_then_else(
-                        j < BS * (I + 1),
-                        T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[T.min(j, BS * (I + 1) - 1), d]) * LOG2E),
-                        T.float32(0))
+            # ---- row side, by column sub-chunk J (reference s_J = gamma[16 J + 15], its last row):
+            # dx_i += exp(gamma_i - s_J) sum_{j in J} dM_ij (k_j exp(s_J - gamma_j)),  rows i >= 16 J
+            T.clear(dxq_f)
+            T.clear(dxk_f)
+            for J in T.serial(NSUB):  # a loop, not unrolled: smaller code
+                for d, j in T.Parallel(BK, BS):
+                    x = T.cast(k_s[BS * J + j, d], f32) * T.exp2(
+                        (gam_s[BS * J + BS - 1, d] - gam_s[BS * J + j, d]) * LOG2E)
                     xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
-                    fh_s[d, j] = xh
-                    fl_s[d, j] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(daq_s[BS * I:BS * I + BS, :], fh_s, rq_f, transpose_B=True, clear_accum=True)
-                T.gemm(daq_s[BS * I:BS * I + BS, :], fl_s, rq_f, transpose_B=True)
-                T.gemm(dab_s[BS * I:BS * I + BS, :], fh_s, rk_f, transpose_B=True, clear_accum=True)
-                T.gemm(dab_s[BS * I:BS * I + BS, :], fl_s, rk_f, transpose_B=True)
-                # ---- column side: columns of sub-chunk I; factor x_i exp(gamma_i - s_I), i >= 16 I ----
-                for d, i in T.Parallel(BK, C):
-                    e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
-                    x = T.if_then_else(i >= BS * I, T.cast(q_s[i, d], f32) * (e * scale), T.float32(0))
-                    xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
-                    fh_s[d, i] = xh
-                    fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(daq_s[:, BS * I:BS * I + BS], fh_s, cq_f, transpose_A=True, transpose_B=True, clear_accum=True)
-                T.gemm(daq_s[:, BS * I:BS * I + BS], fl_s, cq_f, transpose_A=True, transpose_B=True)
-                for d, i in T.Parallel(BK, C):
-                    e = T.exp2((gam_s[T.max(i, BS * I), d] - gam_s[BS * I + BS - 1, d]) * LOG2E)
-                    x = T.if_then_else(i >= BS * I, T.cast(k_s[i, d], f32) * e, T.float32(0))
-                    xh = T.cast(x, MID)  # x = xh + xl in two bf16 pieces (16 significant bits)
-                    fh_s[d, i] = xh
-                    fl_s[d, i] = T.cast(x - T.cast(xh, f32), MID)
-                T.gemm(dab_s[:, BS * I:BS * I + BS], fh_s, ck_f, transpose_A=True, transpose_B=True, clear_accum=True)
-                T.gemm(dab_s[:, BS * I:BS * I + BS], fl_s, ck_f, transpose_A=True, transpose_B=True)
-                # ---- assembly for rows i = 16 I + r ----
-                for r, d in T.Parallel(BS, BK):
-                    i = BS * I + r
-                    gi = gam_s[i, d]
-                    ref = sub_chunk_ref(gam_s, I, d)
-                    rowf = T.exp2((gi - ref) * LOG2E)
-                    colf = T.exp2((gam_s[BS * I + BS - 1, d] - gi) * LOG2E)
-                    Gi = T.exp2(gi * LOG2E)
-                    dec = T.exp2((gam_s[C - 1, d] - gi) * LOG2E)
-                    kv = T.cast(k_s[i, d], f32)
-                    qs = T.cast(q_s[i, d], f32) * scale
-                    dxq = rowf * rq_f[r, d]
-                    dxk = rowf * rk_f[r, d]
-                    dkq = colf * cq_f[r, d]
-                    dkk = colf * ck_f[r, d]
-                    dgk = Gi * T.cast(dgk_s[i, d], f32)
-                    dkd = T.cast(dkd_s[i, d], f32)
-                    dqs = Gi * T.cast(dqg_s[i, d], f32) + dxq
-                    pkd = kv * dec * dkd
-                    pk_f[r, d] += pkd
-                    dgam_s[i, d] = qs * dqs + kv * (dgk + dxk - dkk - dkq) - pkd
-                    if bos + i < eos:
-                        DQ[bos + i, ih, k0 + d] = T.cast(dqs * scale, dtype)
-                        DK[bos + i, ih, k0 + d] = T.cast(dgk + dec * dkd + dxk + dkk + dkq, dtype)
+                    th_s[d, j] = xh
+                    tl_s[d, j] = T.cast(x - T.cast(xh, f32), MID)
+                T.wgmma_gemm(daq_s[:, BS * J:BS * J + BS], th_s, p1_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(daq_s[:, BS * J:BS * J + BS], tl_s, p1_f, transpose_B=True)
+                T.wgmma_gemm(dab_s[:, BS * J:BS * J + BS], th_s, p2_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(dab_s[:, BS * J:BS * J + BS], tl_s, p2_f, transpose_B=True)
+                T.wait_wgmma(0)  # the four MMAs issued back to back, one wait
+                for i, d in T.Parallel(C, BK):
+                    if i >= BS * J:  # rows before the sub-chunk: dM is zero there (and the factor unbounded)
+                        s = T.exp2((gam_s[i, d] - gam_s[BS * J + BS - 1, d]) * LOG2E)
+                        dxq_f[i, d] = dxq_f[i, d] + s * p1_f[i, d]
+                        dxk_f[i, d] = dxk_f[i, d] + s * p2_f[i, d]
+
+            # ---- assembly of dq and of the row-side terms of dk, dgamma ----
+            for i, d in T.Parallel(C, BK):
+                gi = gam_s[i, d]
+                Gi = T.exp2(gi * LOG2E)
+                dec = T.exp2((gam_s[C - 1, d] - gi) * LOG2E)
+                kv = T.cast(k_s[i, d], f32)
+                qs = T.cast(q_s[i, d], f32) * scale
+                dgk = Gi * T.cast(dgk_s[i, d], f32)
+                dkd = T.cast(dkd_s[i, d], f32)
+                dqs = Gi * T.cast(dqg_s[i, d], f32) + dxq_f[i, d]
+                pkd = kv * dec * dkd
+                p1_f[i, d] = pkd  # summed over the rows below (gamma_C's term)
+                dgam_s[i, d] = qs * dqs + kv * (dgk + dxk_f[i, d]) - pkd
+                dxk_f[i, d] = dgk + dec * dkd + dxk_f[i, d]
+                if bos + i < eos:
+                    DQ[bos + i, ih, k0 + d] = T.cast(dqs * scale, dtype)
+            T.reduce_sum(p1_f, last_f, dim=0)
+            T.copy(last_f, last_s)
+
+            # ---- column side, by row sub-chunk I (reference r_I = gamma[16 I - 1], 0 for I = 0):
+            # dk_j += exp(r_I - gamma_j) sum_{i in I} dM_ij (x_i exp(gamma_i - r_I)),  columns j < 16 (I + 1),
+            # for (x, dM) = (q~, dAqk) and (k, dB), which share the factor: one accumulator
+            T.clear(dxq_f)
+            for I in T.serial(NSUB):
+                for d, i in T.Parallel(BK, BS):
+                    e = T.exp2((gam_s[BS * I + i, d] - sub_chunk_ref(gam_s, I, d)) * LOG2E)
+                    xq = T.cast(q_s[BS * I + i, d], f32) * (e * scale)
+                    xk = T.cast(k_s[BS * I + i, d], f32) * e
+                    xqh = T.cast(xq, MID)
+                    xkh = T.cast(xk, MID)
+                    xqh_s[d, i] = xqh
+                    xql_s[d, i] = T.cast(xq - T.cast(xqh, f32), MID)
+                    xkh_s[d, i] = xkh
+                    xkl_s[d, i] = T.cast(xk - T.cast(xkh, f32), MID)
+                T.wgmma_gemm(daq_s[BS * I:BS * I + BS, :], xqh_s, p1_f, transpose_A=True, transpose_B=True,
+                       clear_accum=True)
+                T.wgmma_gemm(daq_s[BS * I:BS * I + BS, :], xql_s, p1_f, transpose_A=True, transpose_B=True)
+                T.wgmma_gemm(dab_s[BS * I:BS * I + BS, :], xkh_s, p1_f, transpose_A=True, transpose_B=True)
+                T.wgmma_gemm(dab_s[BS * I:BS * I + BS, :], xkl_s, p1_f, transpose_A=True, transpose_B=True)
+                T.wait_wgmma(0)
+                for j, d in T.Parallel(C, BK):
+                    if j < BS * (I + 1):  # columns after the sub-chunk: dM is zero there
+                        dxq_f[j, d] = dxq_f[j, d] + T.exp2(
+                            (sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E) * p1_f[j, d]
+
+            # ---- dk; dgamma -= k (dk(B) + dk(Aqk)) ----
+            for i, d in T.Parallel(C, BK):
+                dgam_s[i, d] = dgam_s[i, d] - T.cast(k_s[i, d], f32) * dxq_f[i, d]
+                if bos + i < eos:
+                    DK[bos + i, ih, k0 + d] = T.cast(dxk_f[i, d] + dxq_f[i, d], dtype)
 
             # ---- gamma_C terms (sum_i Kd_i dKd_i + eC deC), then the reverse cumsum over the chunk ----
-            T.reduce_sum(pk_f, last_f, dim=0)
-            T.copy(last_f, last_s)
             if tx < BK:  # as the forward cumsum: independent loads, a register chain, then the stores
                 for i in T.unroll(C):
                     acc[i] = dgam_s[i, tx]
@@ -482,10 +516,10 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, dAqk[NC,H,C,C] bf16, dB[NC,H,C,C] bf16, dQg[NC,H,C,K] bf16,
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
-    threads: 256 measured 5.6 ms at S1 on an H200, 128 threads 6.4 ms (block_k 32 with 128 threads:
-    5.7 ms; with 256 its M = 16 GEMMs would leave each warp 4 columns). With the gate scans in
-    registers and every input read once up front (dAqk, dB, dQg, dKd, dGk in shared memory, ~105 KB,
-    still two blocks per SM): 4.96 ms.
+    threads: 256 (two warpgroups, each taking 32 of the 64 channels of every wgmma), at most 128
+    registers per thread so that two blocks share an SM. At S1 on an H200: 3.33 ms; as M = 16
+    mma.sync GEMMs per row sub-chunk (the earlier form) 4.96 ms with 256 threads, 6.56 ms with
+    128, 5.35 ms with block_k 32 and 128 threads (kernels/NOTES.md).
     """
     block_k = min(block_k, K)
     if chunk_size % SUB or accum_dtype != "float32" or K % block_k:

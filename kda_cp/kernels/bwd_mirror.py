@@ -41,13 +41,17 @@ Backward, given dO and dS_next (the gradient of the state leaving the chunk):
     dgamma = q~*dq~ + k*(Gamma*beta*dKb + dx(B) - dk(B) - dk(Aqk)) - Kd*dKd
     dgamma_C += sum_i Kd_i*dKd_i + eC*deC;   dg = reverse cumsum of dgamma within the chunk
 
-Sub-chunk factorisation (16 tokens; what keeps every exponential finite for g in [-5, 0]):
-    row side, rows in sub-chunk I, reference r_I = gamma[16 I - 1] (0 for I = 0), columns j < 16(I+1):
-        dx_i = exp(gamma_i - r_I) * sum_j dM_ij (k_j exp(r_I - gamma_j))
-    column side, columns in sub-chunk J, reference s_J = gamma[16 J + 15], rows i >= 16 J:
-        dk_j = exp(s_J - gamma_j) * sum_i dM_ij (x_i exp(gamma_i - s_J))
-    Each factor is <= 1 except inside the own sub-chunk, where it is <= exp(75): finite in fp32
-    and bf16. Factors outside these ranges are set to zero, never formed.
+Sub-chunk factorisation (16 tokens; what keeps every exponential finite for g in [-5, 0]).
+The forward products, row sub-chunk I, reference r_I = gamma[16 I - 1] (0 for I = 0):
+    M_i = exp(gamma_i - r_I) * sum_j (k_j exp(r_I - gamma_j)),  columns j < 16(I+1).
+Their gradients ("dk" kernel), with bounded tables and the large factor in fp32:
+    row side, by column sub-chunk J, reference s_J = gamma[16 J + 15], rows i >= 16 J:
+        dx_i += exp(gamma_i - s_J) * sum_{j in J} dM_ij (k_j exp(s_J - gamma_j))
+    column side, by row sub-chunk I, reference r_I, columns j < 16(I+1):
+        dk_j += exp(r_I - gamma_j) * sum_{i in I} dM_ij (x_i exp(gamma_i - r_I))
+    Every table entry is |x| or |k| times a factor <= 1; the fp32 factors are <= 1 except inside
+    the own sub-chunk, where they are <= exp(75). Factors outside these ranges are set to zero,
+    never formed.
 
 Padding: a chunk's rows past its sequence end carry q = k = v = 0, g = 0, beta = 0; they neither
 write nor decay and receive gradients that are discarded (the packed API returns zeros there).
@@ -120,25 +124,33 @@ def _bf16_pieces(x, pieces):
 def _decayed_grads(dM, x, k, gamma, pieces=0):
     """Row and column gradients of M = decayed(x, k): returns (dx, dk) with dM already masked.
 
-    pieces > 0 emulates the "dk" kernel's GEMM operands: dM rounded to bf16 and each decayed
-    factor table split into that many bf16 pieces (the kernel uses 2), products accumulated exactly.
+    Factorised as the "dk" kernel computes them (module docstring): the row side by column
+    sub-chunk J, the column side by row sub-chunk I, each a [C, 16] x [16, K] product scaled per
+    (token, channel) by an fp32 factor. pieces > 0 emulates the kernel's GEMM operands: dM rounded
+    to bf16 and each factor table split into that many bf16 pieces (the kernel uses 2), products
+    accumulated exactly.
     """
     C = gamma.shape[-2]
-    row, cols = _row_factors(gamma)
     if pieces:
         dM = dM.to(torch.bfloat16).to(x.dtype)
-    dx = torch.zeros_like(x)
-    for I in range(C // SUB):
-        rs = slice(SUB * I, SUB * (I + 1))
-        dx[..., rs, :] = row[..., rs, :] * (dM[..., rs, :] @ _bf16_pieces(k * cols[I], pieces))
-    dk = torch.zeros_like(k)
     ar = torch.arange(C, device=x.device)[:, None]
+    zero = gamma.new_zeros(())
+    dx = torch.zeros_like(x)
     for J in range(C // SUB):
         cs = slice(SUB * J, SUB * (J + 1))
         sJ = gamma[..., SUB * J + SUB - 1 : SUB * J + SUB, :]
-        i_ok = ar >= SUB * J
-        xf = torch.where(i_ok, x * (torch.where(i_ok, gamma - sJ, gamma.new_zeros(()))).exp(), x.new_zeros(()))
-        dk[..., cs, :] = (sJ - gamma[..., cs, :]).exp() * (dM[..., :, cs].transpose(-1, -2) @ _bf16_pieces(xf, pieces))
+        table = k[..., cs, :] * (sJ - gamma[..., cs, :]).exp()
+        ok = ar >= SUB * J
+        factor = torch.where(ok, torch.where(ok, gamma - sJ, zero).exp(), zero)
+        dx = dx + factor * (dM[..., :, cs] @ _bf16_pieces(table, pieces))
+    dk = torch.zeros_like(k)
+    for I in range(C // SUB):
+        rs = slice(SUB * I, SUB * (I + 1))
+        rI = gamma[..., SUB * I - 1 : SUB * I, :] if I else torch.zeros_like(gamma[..., :1, :])
+        table = x[..., rs, :] * (gamma[..., rs, :] - rI).exp()
+        ok = ar < SUB * (I + 1)
+        factor = torch.where(ok, torch.where(ok, rI - gamma, zero).exp(), zero)
+        dk = dk + factor * (dM[..., rs, :].transpose(-1, -2) @ _bf16_pieces(table, pieces))
     return dx, dk
 
 
