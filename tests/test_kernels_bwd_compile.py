@@ -82,3 +82,5 @@ def test_factory_rejects_bad_config():
         build_bwd_state_kernel(None, 64, 64, 64, "bfloat16", walk="both")
     with pytest.raises(ValueError):
         build_bwd_ut_kernel(None, 64, 64, 40, "bfloat16")  # chunk_size % 16
+    with pytest.raises(ValueError, match="chunk_size must be 64"):  # the wgmma M, not a compile error
+        build_bwd_dk_kernel(None, 64, 32, "bfloat16", scale=0.125)

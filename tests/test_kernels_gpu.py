@@ -111,6 +111,28 @@ def test_fwd_packed_sequences(K, with_h0, gates):
         check(f"o[seq {i}]", o_ref[:, a:b], o[:, a:b], FWD_TOL)
 
 
+@pytest.mark.parametrize("launch", [(64, 256), (32, 256), (16, 128)], ids=lambda x: f"bv{x[0]}-t{x[1]}")
+@pytest.mark.parametrize("K", [64, 128])
+def test_fwd_every_state_launch(K, launch, monkeypatch):
+    """Every launch of the state + output pass (state.STATE_LAUNCHES), forced whatever
+    state_launch would pick for the shape (the tests' shapes alone reach (64, 256) at neither K):
+    packed sequences, one of them over several chunks and not a multiple of 64, with h0."""
+    from kda_cp.kernels import state
+
+    assert launch in state.STATE_LAUNCHES
+    monkeypatch.setattr(state, "state_launch", lambda *args: launch)
+    lens = [100, 700, 33]
+    H, V = 3, K
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    q, k, v, g, beta = make(1, sum(lens), H, K, V, gates="mixed", seed=K + launch[0])
+    h0 = torch.randn(len(lens), H, K, V, device="cuda")
+    o, ht = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
+                                  output_final_state=True, cu_seqlens=cu)
+    o_ref, ht_ref = oracle(q, k, v, g, beta, K ** -0.5, h0, cu_seqlens=cu)
+    check("o", o_ref, o, FWD_TOL)
+    check("final_state", ht_ref, ht, FWD_TOL)
+
+
 def test_fwd_causal():
     """Changing tokens after position t must leave o[:t+1] bit-identical (no future leak)."""
     B, T, H, K = 1, 200, 2, 128

@@ -2,7 +2,7 @@
 
 Three chunk-parallel kernels, one thread block per (chunk, head) ("dk": per (chunk, head, 64 key
 channels), since it is independent per channel), each sized to fit two blocks per SM (<= ~101 KiB
-of shared memory, <= 255 registers); the math and the order are those
+of shared memory; "dk" capped at 128 registers per thread); the math and the order are those
 of :mod:`kda_cp.kernels.bwd_mirror` (its docstring is the full derivation). Per chunk, with
 q~ = scale * q, gamma = chunk-local cumsum of g, Gamma = exp(gamma), S = state entering the chunk
 and dS' = gradient of the state leaving it (both from bwd_state.py):
@@ -31,8 +31,9 @@ kernel "dk"   (build_bwd_dk_kernel: the decayed products' backward and the assem
 Numerics: cumsums, exponentials, the triangular solve and every elementwise combination in fp32;
 GEMM operands in the input dtype with fp32 accumulation, except in two places. The forward
 recompute of B in "ut" takes bf16 operands (its factors reach exp(75), beyond fp16), as the forward
-does. The decayed products' backward in "dk" needs the factors to about 16 bits: dM (bf16) times
-the fp32 factor split into two bf16 pieces, hi + lo, both through bf16 MMAs. dg is a reverse cumsum
+does. The decayed products' backward in "dk" needs its factor tables to about 16 bits: dM (bf16)
+times each table split into two bf16 pieces, hi + lo, both through bf16 MMAs, then the fp32 factor
+outside the sum applied to the fp32 accumulator. dg is a reverse cumsum
 of dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the
 pairs that straddle the position; with one bf16 piece the uncancelled rounding alone gives dg a
 relative RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror), with two
@@ -522,9 +523,10 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     128, 5.35 ms with block_k 32 and 128 threads (kernels/NOTES.md).
     """
     block_k = min(block_k, K)
-    if chunk_size % SUB or accum_dtype != "float32" or K % block_k:
-        raise ValueError(f"chunk_size must be a multiple of {SUB}, accum_dtype float32 and K a multiple "
-                         f"of block_k, got {chunk_size}, {accum_dtype}, K={K}, block_k={block_k}")
+    if chunk_size != 64 or accum_dtype != "float32" or K % block_k:
+        # chunk_size: the chunk's tokens are the M of every wgmma, 64 per warpgroup
+        raise ValueError(f"chunk_size must be 64, accum_dtype float32 and K a multiple of block_k, got "
+                         f"{chunk_size}, {accum_dtype}, K={K}, block_k={block_k}")
     return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
                                        block_k),
                           name="kda_bwd_dk")

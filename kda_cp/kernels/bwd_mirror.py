@@ -50,8 +50,11 @@ Their gradients ("dk" kernel), with bounded tables and the large factor in fp32:
     column side, by row sub-chunk I, reference r_I, columns j < 16(I+1):
         dk_j += exp(r_I - gamma_j) * sum_{i in I} dM_ij (x_i exp(gamma_i - r_I))
     Every table entry is |x| or |k| times a factor <= 1; the fp32 factors are <= 1 except inside
-    the own sub-chunk, where they are <= exp(75). Factors outside these ranges are set to zero,
-    never formed.
+    the own sub-chunk, where they are <= exp(75) (row side, 15 steps of g >= -5) or exp(80)
+    (column side, 16 steps). Factors outside these ranges are set to zero, never formed. A table
+    entry can be as small as exp(-80) |x| (every step of a sub-chunk at g = -5); its second bf16
+    piece is then below bf16's smallest normal (~1.2e-38) for |x| < ~0.3, and a tensor core that
+    flushed it would leave that pair's term with one piece's accuracy.
 
 Padding: a chunk's rows past its sequence end carry q = k = v = 0, g = 0, beta = 0; they neither
 write nor decay and receive gradients that are discarded (the packed API returns zeros there).

@@ -35,7 +35,7 @@ import tilelang.language as T
 from ._common import SUB, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
 
 
-def _solve_macros(C, K, f32, threads):
+def _solve_macros(C, K, f32, threads=None):
     """TileLang macros shared by both chunk-local kernels (fp32, CUDA cores).
 
     The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
@@ -47,14 +47,15 @@ def _solve_macros(C, K, f32, threads):
         count as g = 0.
     solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
         Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
-        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]), each thread
-        summing threads / 16 columns of one row at once (`threads` = 16 times a divisor of 16).
+        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]), with
+        G = threads / 16 threads per row, each summing 16 I / G columns of it at once (`threads`
+        = 16 times a divisor of 16; checked only when `threads` is given).
     """
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
-    G = threads // BS  # threads per row of a block row in the solve
-    if threads % BS or G > BS or BS % G:
+    G = None if threads is None else threads // BS  # threads per row of a block row in the solve
+    if threads is not None and (threads % BS or G > BS or BS % G):
         raise ValueError(f"threads must be {BS} times a divisor of {BS} (the solve), got {threads}")
 
     row_scan = row_scan_macro(C)
@@ -362,7 +363,7 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
 
 
 def _decay_func(H, K, C, dtype, f32, scale):
-    load_cumsum, _ = _solve_macros(C, K, f32, K)
+    load_cumsum, _ = _solve_macros(C, K, f32)
     LOG2E = 1.4426950408889634
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -424,7 +425,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         chunk_size: C, a multiple of 16 (64 is the tuned value).
         dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
         scale: the output scale folded into Qg and Aqk (static; part of the cache key).
-        threads: per block; 256 (two warpgroups: fewer registers per thread, two blocks per SM)
+        threads: per block, a multiple of chunk_size and 16 times a divisor of 16 (ValueError
+            otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
             measured 1.72 ms at S1 on an H200 against 2.3 ms with 128; 1.58 ms since q is read
             once with k and g, Qg and Kd are written in the row-block loop, the masked rows of the
             column factor take no exponential, v's load is issued before the solve and the

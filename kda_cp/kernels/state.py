@@ -138,7 +138,8 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         dtype: the q/k/v dtype name; accum_dtype must be "float32".
         with_h0: read the initial state H0 [N, H, K, V] fp32 (else start from zero).
         store_ht: write the final state HT [N, H, K, V] fp32.
-        block_v: value columns per thread block; threads, num_stages: launch knobs.
+        block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
+            picks block_v and threads with :func:`state_launch`, among STATE_LAUNCHES).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written.
     """
