@@ -51,7 +51,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, row_scan_macro, sub_chunk_ref, tl_dtype
+from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tl_dtype
 
 LOG2E = 1.4426950408889634
 MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dAqk, dB, dQg, dKd, dGk between kernels
@@ -148,9 +148,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     NSUB = C // BS
     R16 = tuple(range(BS))
     op = "bfloat16"  # decayed-product operands: factors up to exp(75) do not fit fp16
-    GT = threads // BS  # threads per row in the solve's block rows
-    if threads % BS or GT > BS or BS % GT:
-        raise ValueError(f"threads must be {BS} times a divisor of {BS}, got {threads}")
+    block_rows = block_rows_macro(C, threads, beta_scaled=True)
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -241,27 +239,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 for r in R16:
                     X_s[BS * I + r, BS * I + c] = x[r]
                     Td_s[I, r, c] = x[r]
-            # block rows: thread tx owns row r = tx // GT and columns c0 + GT m (as intra.py's solve)
-            tx = T.get_thread_binding()
-            r = tx // GT
-            c0 = tx % GT
-            for I in tuple(range(1, NSUB)):
-                M = BS * I // GT
-                a = T.alloc_local([M], f32)
-                for m in T.unroll(M):
-                    a[m] = T.float32(0)
-                for j in T.serial(BS * I):
-                    for m in T.unroll(M):
-                        a[m] = a[m] - B_s[BS * I + r, j] * X_s[j, c0 + GT * m]
-                for m in T.unroll(M):
-                    tmp_s[r, c0 + GT * m] = a[m] * beta_s[BS * I + r]
-                for m in T.unroll(M):
-                    a[m] = T.float32(0)
-                for j in T.serial(BS):
-                    for m in T.unroll(M):
-                        a[m] = a[m] + Td_s[I, r, j] * tmp_s[j, c0 + GT * m]
-                for m in T.unroll(M):
-                    X_s[BS * I + r, c0 + GT * m] = a[m]
+            block_rows(B_s, X_s, Td_s, tmp_s, beta_s)  # A = Diag(beta) B
             T.copy(X_s, Xc_s)
 
             # ---- dKb = X^T dW, dVb = X^T dU (operands loaded only now: short live ranges let the

@@ -32,7 +32,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
+from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
 
 
 def _solve_macros(C, K, f32, threads=None):
@@ -47,16 +47,13 @@ def _solve_macros(C, K, f32, threads=None):
         count as g = 0.
     solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
         Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
-        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]), with
-        G = threads / 16 threads per row, each summing 16 I / G columns of it at once (`threads`
-        = 16 times a divisor of 16; checked only when `threads` is given).
+        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I])
+        (_common.block_rows_macro; `threads` is needed only for the solve).
     """
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
-    G = None if threads is None else threads // BS  # threads per row of a block row in the solve
-    if threads is not None and (threads % BS or G > BS or BS % G):
-        raise ValueError(f"threads must be {BS} times a divisor of {BS} (the solve), got {threads}")
+    block_rows = None if threads is None else block_rows_macro(C, threads)
 
     row_scan = row_scan_macro(C)
 
@@ -80,30 +77,7 @@ def _solve_macros(C, K, f32, threads=None):
             for r in R16:
                 Ti_s[BS * I + r, BS * I + c] = x[r]
                 Td_s[I, r, c] = x[r]
-        # Block rows, thread tx owning row r = tx // G of block row I and columns c0 + G m
-        # (c0 = tx % G): one load of L (or Tinv_II) serves the thread's BS I / G independent sums.
-        # As loops over (r, c) (one sum per thread at a time, two shared loads per FMA) this
-        # took ~0.29 ms of the kernel's 1.7 at S1 on an H200.
-        tx = T.get_thread_binding()
-        r = tx // G
-        c0 = tx % G
-        for I in tuple(range(1, NSUB)):
-            M = BS * I // G
-            a = T.alloc_local([M], f32)
-            for m in T.unroll(M):
-                a[m] = T.float32(0)
-            for j in T.serial(BS * I):
-                for m in T.unroll(M):
-                    a[m] = a[m] - L_s[BS * I + r, j] * Ti_s[j, c0 + G * m]
-            for m in T.unroll(M):
-                tmp_s[r, c0 + G * m] = a[m]
-            for m in T.unroll(M):
-                a[m] = T.float32(0)
-            for j in T.serial(BS):
-                for m in T.unroll(M):
-                    a[m] = a[m] + Td_s[I, r, j] * tmp_s[j, c0 + G * m]
-            for m in T.unroll(M):
-                Ti_s[BS * I + r, c0 + G * m] = a[m]
+        block_rows(L_s, Ti_s, Td_s, tmp_s)  # L_s is already Diag(beta) StrictTril(Akk)
 
     return load_cumsum, solve
 
