@@ -53,7 +53,8 @@ def kernels(K: int, dtype: str):
     from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
     from kda_cp.kernels.bwd_state import build_bwd_state_kernel
     from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel
-    from kda_cp.kernels.state import STATE_LAUNCHES, build_state_output_kernel, build_summary_kernel
+    from kda_cp.kernels._common import STATE_LAUNCHES
+    from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
 
     scale = K ** -0.5
     yield "intra", lambda: build_intra_kernel(None, K, K, 64, dtype, scale=scale)

@@ -3,7 +3,7 @@
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
 the CP shard summary launch for the given head dim and dtype (the state + output pass in every
-launch of state.STATE_LAUNCHES) (chunk_kda's TileLang backend always
+launch of _common.STATE_LAUNCHES) (chunk_kda's TileLang backend always
 runs the forward with an initial and a final state; the other three variants serve direct callers of
 kda_cp.kernels.chunk_kda_fwd).
 
@@ -16,7 +16,8 @@ import time
 from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
 from kda_cp.kernels.bwd_state import build_bwd_state_kernel
 from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel
-from kda_cp.kernels.state import STATE_LAUNCHES, build_state_output_kernel, build_summary_kernel
+from kda_cp.kernels._common import STATE_LAUNCHES
+from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
 
 
 def main():

@@ -61,8 +61,8 @@ def test_chunk_tables_fixed_and_packed():
 
 def test_state_launch_fills_the_gpu():
     """The launch picked for the benchmark shapes on an H200 (132 SMs) is the one measured fastest
-    there (state.state_launch's docstring), and every pick is one of STATE_LAUNCHES."""
-    from kda_cp.kernels.state import STATE_LAUNCHES, state_launch
+    there (its docstring), and every pick is one of STATE_LAUNCHES. Needs no tilelang."""
+    from kda_cp.kernels._common import STATE_LAUNCHES, state_launch
 
     assert state_launch(132, 1, 32, 128) == (32, 256)  # S1
     assert state_launch(132, 8, 32, 128) == (64, 256)  # S2

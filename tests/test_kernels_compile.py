@@ -20,8 +20,8 @@ if shutil.which("nvcc") is None:
     pytest.skip("nvcc not found", allow_module_level=True)
 
 from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel  # noqa: E402
-from kda_cp.kernels.state import (  # noqa: E402
-    STATE_LAUNCHES, build_state_output_kernel, build_summary_kernel)
+from kda_cp.kernels._common import STATE_LAUNCHES  # noqa: E402
+from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel  # noqa: E402
 
 
 @pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])

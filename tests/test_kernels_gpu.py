@@ -114,13 +114,13 @@ def test_fwd_packed_sequences(K, with_h0, gates):
 @pytest.mark.parametrize("launch", [(64, 256), (32, 256), (16, 128)], ids=lambda x: f"bv{x[0]}-t{x[1]}")
 @pytest.mark.parametrize("K", [64, 128])
 def test_fwd_every_state_launch(K, launch, monkeypatch):
-    """Every launch of the state + output pass (state.STATE_LAUNCHES), forced whatever
+    """Every launch of the state + output pass (_common.STATE_LAUNCHES), forced whatever
     state_launch would pick for the shape (the tests' shapes alone reach (64, 256) at neither K):
     packed sequences, one of them over several chunks and not a multiple of 64, with h0."""
-    from kda_cp.kernels import state
+    from kda_cp.kernels import _common
 
-    assert launch in state.STATE_LAUNCHES
-    monkeypatch.setattr(state, "state_launch", lambda *args: launch)
+    assert launch in _common.STATE_LAUNCHES
+    monkeypatch.setattr(_common, "state_launch", lambda *args: launch)
     lens = [100, 700, 33]
     H, V = 3, K
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0)

@@ -148,7 +148,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
-    from .state import build_state_output_kernel, state_launch
+    from ._common import state_launch
+    from .state import build_state_output_kernel
     dev = q.device
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None

@@ -189,3 +189,24 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
                 X_s[SUB * I + r, c0 + G * m] = a[m]
 
     return block_rows
+
+
+#: (block_v, threads) launches of the state + output pass, widest first; state_launch picks one.
+STATE_LAUNCHES = ((64, 256), (32, 256), (16, 128))
+
+
+def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
+    """(block_v, threads) for the state + output pass of N sequences and H heads on `sms` SMs.
+
+    Each block walks all chunks of its sequence, so the pass is a chain of latency-bound steps and
+    wants enough blocks to occupy the GPU: the widest block_v of STATE_LAUNCHES whose V / block_v * N * H
+    blocks reach 3/4 of the SMs, else the narrowest. 256 threads (two warpgroups) per 32 or 64
+    columns; 16 columns lower only with 128. H200 (132 SMs), K = V = 128, bf16, ms:
+    T = 32768, N = 1, H = 32: (32, 256) 1.02, (32, 128) 1.20, (64, 256) 1.64, (16, 128) 1.52;
+    T = 4096, N = 8, H = 32: (64, 256) 0.79, (32, 256) 1.00, (32, 128) 1.22;
+    T = 131072, N = 1, H = 16: (16, 128) 2.97, (32, 256) 3.87, (32, 128) 4.60.
+    """
+    for block_v, threads in STATE_LAUNCHES:
+        if V % block_v == 0 and (V // block_v) * N * H * 4 >= 3 * sms:
+            return block_v, threads
+    return STATE_LAUNCHES[-1]

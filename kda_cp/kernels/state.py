@@ -106,27 +106,6 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
     return kda_state_output_fwd
 
 
-#: (block_v, threads) launches of the state + output pass, widest first; state_launch picks one.
-STATE_LAUNCHES = ((64, 256), (32, 256), (16, 128))
-
-
-def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
-    """(block_v, threads) for the state + output pass of N sequences and H heads on `sms` SMs.
-
-    Each block walks all chunks of its sequence, so the pass is a chain of latency-bound steps and
-    wants enough blocks to occupy the GPU: the widest block_v of STATE_LAUNCHES whose V / block_v * N * H
-    blocks reach 3/4 of the SMs, else the narrowest. 256 threads (two warpgroups) per 32 or 64
-    columns; 16 columns lower only with 128. H200 (132 SMs), K = V = 128, bf16, ms:
-    T = 32768, N = 1, H = 32: (32, 256) 1.02, (32, 128) 1.20, (64, 256) 1.64, (16, 128) 1.52;
-    T = 4096, N = 8, H = 32: (64, 256) 0.79, (32, 256) 1.00, (32, 128) 1.22;
-    T = 131072, N = 1, H = 16: (16, 128) 2.97, (32, 256) 3.87, (32, 128) 4.60.
-    """
-    for block_v, threads in STATE_LAUNCHES:
-        if V % block_v == 0 and (V // block_v) * N * H * 4 >= 3 * sms:
-            return block_v, threads
-    return STATE_LAUNCHES[-1]
-
-
 @functools.lru_cache(maxsize=None)
 def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, with_h0,
                               store_ht, block_k=None, block_v=32, threads=128, num_stages=2):
@@ -139,7 +118,7 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         with_h0: read the initial state H0 [N, H, K, V] fp32 (else start from zero).
         store_ht: write the final state HT [N, H, K, V] fp32.
         block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
-            picks block_v and threads with :func:`state_launch`, among STATE_LAUNCHES).
+            picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written.
     """
