@@ -80,6 +80,8 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
         DU: T.Tensor([NC, Hn, C, V], dtype),
     ):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            if threads == 256:  # two blocks per SM: at most 128 registers per thread
+                T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             S_s = T.alloc_shared([K, V], dtype)
@@ -170,6 +172,8 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
         DGk: T.Tensor([NC, Hn, C, K], MID),
     ):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
+            if threads == 256:  # two blocks per SM: at most 128 registers per thread
+                T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             gam_s = T.alloc_shared([C, K], f32)
@@ -456,7 +460,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
 
 @functools.lru_cache(maxsize=None)
 def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, block_k=None,
-                        block_v=None, threads=128, num_stages=1):
+                        block_v=None, threads=256, num_stages=1):
     """Compile kernel "dv" (T, chunks, H dynamic).
 
     Returns kernel(W[NC,H,C,K], U[NC,H,C,V], Kd[NC,H,C,K], Aqk[NC,H,C,C], Hs[NC,H,K,V],
@@ -472,7 +476,7 @@ def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
 @functools.lru_cache(maxsize=None)
 def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, block_k=None,
-                        block_v=None, threads=128, num_stages=1):
+                        block_v=None, threads=256, num_stages=1):
     """Compile kernel "ut", the UT transform's backward (T, chunks, H dynamic).
 
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
