@@ -6,7 +6,8 @@
 #
 # "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py;
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
-# "fla": bench_backward.py with fla-core at S1 (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
+# "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
+# compared with the first); "fla": bench_backward.py with fla-core at S1 (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log.
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
@@ -32,6 +33,9 @@ for step in $STEPS; do
       run bench_kernels ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --shapes S1 S2 S3 --repeats 10 --no-torch \
         --out "$OUT/bench_kernels.json"
       grep "^| " "$OUT/bench_kernels.log" | tee -a "$OUT/summary.log" ;;
+    tune)
+      run tune ${BENCH_LIMIT:-600} python scripts/tune_launches.py --out "$OUT/tune_launches.json"
+      grep "^| " "$OUT/tune.log" | tee -a "$OUT/summary.log" ;;
     fla)
       run bench_backward 600 python scripts/bench_backward.py --shapes S1 --repeats 5 --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;

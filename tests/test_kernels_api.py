@@ -65,9 +65,21 @@ def test_state_launch_fills_the_gpu():
     from kda_cp.kernels._common import STATE_LAUNCHES, state_launch
 
     assert state_launch(132, 1, 32, 128) == (32, 256)  # S1
-    assert state_launch(132, 8, 32, 128) == (64, 256)  # S2
+    assert state_launch(132, 8, 32, 128) == (32, 256)  # S2
     assert state_launch(132, 1, 16, 128) == (16, 128)  # S3
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
-    assert state_launch(132, 4, 32, 64) == (64, 256)
     assert state_launch(78, 1, 16, 128) == (32, 256)  # a smaller GPU fills with fewer blocks
     assert STATE_LAUNCHES[-1] == (16, 128)  # the fallback: the most blocks
+
+
+def test_miscompiled_state_launch_is_refused():
+    """32 value columns per warpgroup (block_v 64 on two warpgroups) gave wrong states on an H200
+    with tilelang 0.1.15: the builders refuse it before compiling, and no offered launch is one."""
+    from kda_cp.kernels._common import STATE_LAUNCHES, check_state_launch
+
+    with pytest.raises(ValueError, match="miscompiled"):
+        check_state_launch(64, 256)
+    with pytest.raises(ValueError, match="miscompiled"):
+        check_state_launch(128, 512)
+    for block_v, threads in STATE_LAUNCHES + ((64, 128), (32, 128)):
+        check_state_launch(block_v, threads)

@@ -318,9 +318,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     ):
         with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
             # two blocks per SM (~92 KB of shared memory each): registers capped at 128 per thread
-            # (uncapped, nvcc took 148 and the SM ran one block: 5.0 ms at S1 on an H200, 3.33 ms capped).
-            # block_k 32: ~60 KB, three blocks per SM at 80 registers without spills (UNMEASURED)
-            T.annotate_min_blocks_per_sm(2 if BK > 32 else 3)
+            # (uncapped, nvcc took 148 and the SM ran one block: 5.0 ms at S1 on an H200, 3.33 ms capped;
+            # block_k 32 with three blocks per SM at 80 registers was no faster: 3.33 vs 3.30 ms)
+            T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
             k0 = ik * BK

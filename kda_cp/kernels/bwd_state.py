@@ -33,7 +33,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import compile_kernel, tl_dtype
+from ._common import check_state_launch, compile_kernel, tl_dtype
 
 
 def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, walk, num_stages):
@@ -151,13 +151,15 @@ def build_bwd_state_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
         dH0[N,H,K,V] f32); the walk's outputs are written, the arguments it does not read are
         ignored (forward: dO, dHT; reverse: H0).
     Raises:
-        ValueError: an unknown walk, V not a multiple of block_v, or accum_dtype not float32.
+        ValueError: an unknown walk, V not a multiple of block_v, accum_dtype not float32, or a
+            launch that tilelang 0.1.15 miscompiles (:func:`._common.check_state_launch`).
     """
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     if V % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} must be a multiple of block_v={block_v} and accum_dtype float32 "
                          f"(got {accum_dtype})")
+    check_state_launch(block_v, threads)
     func = _bwd_state_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads, walk,
                            int(num_stages))
     return compile_kernel(func, name="kda_bwd_state")

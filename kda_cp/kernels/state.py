@@ -27,7 +27,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import compile_kernel, tf32_hi, tl_dtype
+from ._common import check_state_launch, compile_kernel, tf32_hi, tl_dtype
 
 
 def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, with_h0, store_ht):
@@ -121,9 +121,13 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written.
+    Raises:
+        ValueError: V not a multiple of block_v, accum_dtype not float32, or a launch that
+            tilelang 0.1.15 miscompiles (:func:`._common.check_state_launch`).
     """
     if V % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} must be a multiple of block_v={block_v}; accum_dtype float32")
+    check_state_launch(block_v, threads)
     func = _state_output_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
                               num_stages, bool(with_h0), bool(store_ht))
     return compile_kernel(func, name="kda_state_output_fwd")
