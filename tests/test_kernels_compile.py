@@ -53,6 +53,18 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
 
 
 
+def test_state_builders_refuse_the_miscompiled_launch():
+    """64 value columns on two warpgroups produced wrong states on an H200 (kernels/NOTES.md, ninth
+    session): both state builders raise before compiling."""
+    from kda_cp.kernels.bwd_state import build_bwd_state_kernel
+
+    with pytest.raises(ValueError, match="miscompiled"):
+        build_state_output_kernel(None, 128, 128, 64, "bfloat16", with_h0=True, store_ht=True, block_v=64,
+                                  threads=256)
+    with pytest.raises(ValueError, match="miscompiled"):
+        build_bwd_state_kernel(None, 128, 128, 64, "bfloat16", walk="forward", block_v=64, threads=256)
+
+
 @pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (64, "bfloat16", "bf16x2"),
                                               (128, "bfloat16", "tf32x2"), (64, "float16", "bf16x2")])
 def test_cp_summary_kernel_compiles(K, dtype, operands):
