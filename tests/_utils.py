@@ -76,18 +76,40 @@ def perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
-def async_mma_events(src, loop_header):
-    """The loop of generated CUDA that opens with `loop_header`, as a list of events: ("bar",),
-    ("fence",), ("wait",), ("issue", {buffers the MMA group reads}), ("store", buffer) for stores
-    into 16-bit or TF32 shared operands."""
+def loop_text(src, loop_header):
+    """The text of the loop of generated CUDA that opens with `loop_header` (up to its closing brace)."""
     start = src.index(loop_header)
     depth, end = 0, start
     for end in range(start, len(src)):
         depth += {"{": 1, "}": -1}.get(src[end], 0)
         if depth == 0 and src[end] == "}":
             break
+    return src[start:end]
+
+
+def assert_released_after_wait(src, loop_header):
+    """In the (consumer) loop opening with `loop_header`, taken cyclically: no mbarrier arrive (which
+    hands a pipelined tile back to the TMA producer, who may then overwrite it) and no stmatrix store
+    into a shared operand while an MMA group committed before it has not been waited for."""
+    lines = loop_text(src, loop_header).splitlines()[1:]
+    pending = None
+    for sweep in range(2):  # the second sweep starts with what the end of the loop left pending
+        for n, line in enumerate(lines):
+            if "warpgroup_commit_batch" in line:
+                pending = n
+            elif "warpgroup_wait<0>" in line or "wait_wgmma<0>" in line:
+                pending = None
+            elif pending is not None and (".arrive()" in line or "stmatrix" in line):
+                raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) while the MMA group "
+                                     f"committed at line {pending} may still read shared memory")
+
+
+def async_mma_events(src, loop_header):
+    """The loop of generated CUDA that opens with `loop_header`, as a list of events: ("bar",),
+    ("fence",), ("wait",), ("issue", {buffers the MMA group reads}), ("store", buffer) for stores
+    into 16-bit or TF32 shared operands."""
     events, reads = [], set()
-    for line in src[start:end].splitlines():
+    for line in loop_text(src, loop_header).splitlines():
         if "__syncthreads()" in line:
             events.append(("bar",))
         elif "fence_proxy_async" in line:

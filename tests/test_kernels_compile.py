@@ -11,7 +11,7 @@ About 5 minutes on 2 CPU cores (the chunk-local kernels take ~100 s each to comp
 import shutil
 
 import pytest
-from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, async_mma_events
+from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, assert_released_after_wait, async_mma_events
 
 pytestmark = [pytest.mark.compile, pytest.mark.slow]
 
@@ -51,6 +51,28 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
                                     threads=threads)
     assert "wgmma" in ker.get_kernel_source()
 
+
+
+@pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128))])
+def test_state_output_releases_tiles_after_its_mmas(K, launch):
+    """The state + output pass issues the state update and the output's two MMAs together and waits
+    once: the pipelined tiles they read (Kd, Qg, Aqk) go back to the TMA producer only after that
+    wait, and the next chunk's state store into shared memory too."""
+    block_v, threads = launch
+    src = build_state_output_kernel(None, K, K, 64, "bfloat16", with_h0=True, store_ht=True, block_v=block_v,
+                                    threads=threads).get_kernel_source()
+    assert src.count("wait_wgmma<0>") == 1
+    assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
+
+
+def test_release_check_catches_an_early_release():
+    early = ("for (int c_1 = 0; c_1 < n; ++c_1) {\n  tl::warpgroup_commit_batch();\n"
+             "  mbarrier[3].arrive();\n  tl::wait_wgmma<0>();\n}\n")
+    with pytest.raises(AssertionError, match="may still read"):
+        assert_released_after_wait(early, "for (int c_1 = 0; c_1 < n; ++c_1) {")
+    assert_released_after_wait(early.replace("  mbarrier[3].arrive();\n  tl::wait_wgmma<0>();",
+                                             "  tl::wait_wgmma<0>();\n  mbarrier[3].arrive();"),
+                               "for (int c_1 = 0; c_1 < n; ++c_1) {")
 
 
 def test_state_builders_refuse_the_miscompiled_launch():

@@ -89,16 +89,20 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
                 for i, j in T.Parallel(C, BV):
                     vn_f[i, j] = T.cast(u_s[i, j], f32) - vn_f[i, j]
                 T.copy(vn_f, vn_s)
-                # O = Qg S + Aqk V'
-                T.gemm(qg_s, S_s, o_f, clear_accum=True)
-                T.gemm(aqk_s, vn_s, o_f)
+                # S <- Diag(eC) S + Kd^T V' (the next chunk's chain) and O = Qg S + Aqk V' (S_s still
+                # holds the chunk's S): independent MMAs issued back to back, one wait
+                for d, j in T.Parallel(K, BV):
+                    S_f[d, j] = S_f[d, j] * ec_s[d]
+                T.wgmma_gemm(kd_s, vn_s, S_f, transpose_A=True)
+                T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
+                T.wgmma_gemm(aqk_s, vn_s, o_f)
+                T.wait_wgmma(0)
+                if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so that
+                    # TileLang hands them back to the TMA producer only once the MMAs have read them
+                    O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
                 for i, j in T.Parallel(C, BV):
                     if bos + c * C + i < eos:
                         O[bos + c * C + i, ih, iv * BV + j] = T.cast(o_f[i, j], dtype)
-                # S <- Diag(eC) S + Kd^T V'
-                for d, j in T.Parallel(K, BV):
-                    S_f[d, j] = S_f[d, j] * ec_s[d]
-                T.gemm(kd_s, vn_s, S_f, transpose_A=True)
 
             if store_ht:
                 T.copy(S_f, HT[n, ih, :, iv * BV : (iv + 1) * BV])
