@@ -4,7 +4,7 @@ state walks, "dv", "ut" and "dk".
 At each benchmark shape (default S1 S2 S3), bf16, each kernel alone on the same inputs (random, with
 the backward's structure: dAqk lower-triangular, dB strictly lower-triangular, the forward's W, U,
 Aqk from the chunk-local kernel), median of --repeats CUDA-event timings, three times; and the
-largest relative difference of each variant's outputs to the first (default) variant's, which must
+largest relative difference of each variant's outputs to the first listed variant's, which must
 be 0 or at the level of fp32 reordering (a launch that computes something else shows here). Prints
 a table and writes JSON.
 
@@ -21,7 +21,7 @@ from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, b
 from kda_cp.kernels.bwd_state import build_bwd_state_kernel
 from kda_cp.kernels.state import build_state_output_kernel
 
-VARIANTS = {  # first = the reference launch the others are compared with
+VARIANTS = {  # the first listed launch is the reference the others are compared with
     "state+output": [dict(block_v=16, threads=128), dict(block_v=32, threads=256), dict(block_v=32, threads=128),
                      dict(block_v=64, threads=128)],
     "walk forward": [dict(block_v=32, threads=128), dict(block_v=32, threads=256), dict(block_v=16, threads=128)],

@@ -92,6 +92,8 @@ def assert_released_after_wait(src, loop_header):
     hands a pipelined tile back to the TMA producer, who may then overwrite it) and no stmatrix store
     into a shared operand while an MMA group committed before it has not been waited for."""
     lines = loop_text(src, loop_header).splitlines()[1:]
+    release = re.compile(r"(?<!warpgroup_)(?<!tma_store_)arrive\(|mbarrier_arrive\(")  # not the MMA fence
+    shared_store = re.compile(r"stmatrix|\(\((?:tfloat32_t|bfloat16_t|half_t)\*\)\w+_s\)\[[^\]]*\] =")
     pending = None
     for sweep in range(2):  # the second sweep starts with what the end of the loop left pending
         for n, line in enumerate(lines):
@@ -99,7 +101,7 @@ def assert_released_after_wait(src, loop_header):
                 pending = n
             elif "warpgroup_wait<0>" in line or "wait_wgmma<0>" in line:
                 pending = None
-            elif pending is not None and (".arrive()" in line or "stmatrix" in line):
+            elif pending is not None and (release.search(line) or shared_store.search(line)):
                 raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) while the MMA group "
                                      f"committed at line {pending} may still read shared memory")
 

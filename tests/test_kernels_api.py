@@ -83,3 +83,17 @@ def test_miscompiled_state_launch_is_refused():
         check_state_launch(128, 512)
     for block_v, threads in STATE_LAUNCHES + ((64, 128), (32, 128)):
         check_state_launch(block_v, threads)
+
+
+def test_state_builders_refuse_the_miscompiled_launch():
+    """64 value columns on two warpgroups produced wrong states on an H200 (kernels/NOTES.md, ninth
+    session): both state builders raise before compiling (needs tilelang installed, no nvcc)."""
+    pytest.importorskip("tilelang")
+    from kda_cp.kernels.bwd_state import build_bwd_state_kernel
+    from kda_cp.kernels.state import build_state_output_kernel
+
+    with pytest.raises(ValueError, match="miscompiled"):
+        build_state_output_kernel(None, 128, 128, 64, "bfloat16", with_h0=True, store_ht=True, block_v=64,
+                                  threads=256)
+    with pytest.raises(ValueError, match="miscompiled"):
+        build_bwd_state_kernel(None, 128, 128, 64, "bfloat16", walk="forward", block_v=64, threads=256)

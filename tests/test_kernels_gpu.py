@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gpu marker
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from kda_cp.kernels._common import STATE_LAUNCHES  # noqa: E402
 from kda_cp.reference import naive_recurrent_kda  # noqa: E402
 
 kernels = pytest.importorskip("kda_cp.kernels")
+from kda_cp.kernels._common import STATE_LAUNCHES  # noqa: E402
 
 FWD_TOL = 5e-3
 SUMMARY_TOL = 1e-3

@@ -197,20 +197,23 @@ STATE_LAUNCHES = ((32, 256), (16, 128))
 
 
 def check_state_launch(block_v: int, threads: int) -> None:
-    """Refuse a launch of the state passes (state.py, bwd_state.py) that tilelang 0.1.15 miscompiles.
+    """Refuse a launch of the state passes (state.py, bwd_state.py) known to be miscompiled by
+    tilelang 0.1.15 (the version this package pins).
 
-    With two warpgroups splitting 64 value columns (32 per warpgroup: block_v / (threads / 128) == 32),
-    the state update's result is wrong from the second chunk on (relative RMS error 0.2 to 0.45 in o
-    on an H200, columns 16-31 of each warpgroup's half worst; kernels/NOTES.md). 16 columns per
-    warpgroup (32, 256), and one warpgroup (any block_v, 128 threads), are exact. Measured on the
-    forward's state + output pass; the backward's state walks run the same GEMMs and are refused too.
+    With two or more warpgroups splitting the value columns 32 per warpgroup (block_v 64 on 256
+    threads), the state update's result is wrong from the second chunk on (relative RMS error 0.2 to
+    0.45 in o on an H200, columns 16-31 of each warpgroup's 32 worst; kernels/NOTES.md, ninth
+    session). Measured exact: (32, 256) (16 columns per warpgroup) and one warpgroup (128 threads)
+    with block_v 16, 32 or 64. Measured on the forward's state + output pass; the backward's state
+    walks run the same GEMMs and are refused too.
 
     Raises:
         ValueError: for such a launch.
     """
-    if threads > 128 and block_v // (threads // 128) == 32:
+    if threads > 128 and block_v * 128 == 32 * threads:
         raise ValueError(f"block_v={block_v} with threads={threads} (32 value columns per warpgroup) is "
-                         f"miscompiled by tilelang 0.1.15; use one of {STATE_LAUNCHES} or threads=128")
+                         f"miscompiled by tilelang 0.1.15; use at most 16 columns per warpgroup "
+                         f"(block_v <= 16 * threads / 128) or threads=128")
 
 
 def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
@@ -220,9 +223,11 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     wants enough blocks to occupy the GPU: the widest block_v of STATE_LAUNCHES whose V / block_v * N * H
     blocks reach 3/4 of the SMs, else the narrowest. 256 threads (two warpgroups) per 32 columns;
     16 columns lower only with 128. H200 (132 SMs), K = V = 128, bf16, ms:
-    T = 32768, N = 1, H = 32: (32, 256) 1.02, (32, 128) 1.20, (16, 128) 1.52;
-    T = 4096, N = 8, H = 32: (32, 256) 1.00, (32, 128) 1.22;
-    T = 131072, N = 1, H = 16: (16, 128) 2.97, (32, 256) 3.87, (32, 128) 4.60.
+    T = 32768, N = 1, H = 32: (32, 256) 0.98, (32, 128) 1.19, (16, 128) 1.44;
+    T = 4096, N = 8, H = 32: (32, 256) 0.99, (64, 128) 1.07, (32, 128) 1.20;
+    T = 131072, N = 1, H = 16: (16, 128) 2.81, (32, 256) 3.74, (32, 128) 4.48
+    (scripts/tune_launches.py, docs/results/h200_tune_launches.json has the run before the state
+    update and the output's MMAs shared one wait: 1.02 / 1.03 / 3.01 ms for the picked launches).
     """
     for block_v, threads in STATE_LAUNCHES:
         if V % block_v == 0 and (V // block_v) * N * H * 4 >= 3 * sms:

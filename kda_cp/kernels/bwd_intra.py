@@ -2,7 +2,8 @@
 
 Three chunk-parallel kernels, one thread block per (chunk, head) ("dk": per (chunk, head, 64 key
 channels), since it is independent per channel), each sized to fit two blocks per SM (<= ~101 KiB
-of shared memory; "dk" capped at 128 registers per thread); the math and the order are those
+of shared memory; each capped at 128 registers per thread: "dv" and "ut" at 256 threads, "dk");
+the math and the order are those
 of :mod:`kda_cp.kernels.bwd_mirror` (its docstring is the full derivation). Per chunk, with
 q~ = scale * q, gamma = chunk-local cumsum of g, Gamma = exp(gamma), S = state entering the chunk
 and dS' = gradient of the state leaving it (both from bwd_state.py):
@@ -386,6 +387,8 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 T.wgmma_gemm(dab_s[:, BS * J:BS * J + BS], th_s, p2_f, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(dab_s[:, BS * J:BS * J + BS], tl_s, p2_f, transpose_B=True)
                 T.wait_wgmma(0)  # the four MMAs issued back to back, one wait
+                T.warpgroup_fence_operand(p1_f, num_regs=C * BK // threads)  # reads of the accumulators
+                T.warpgroup_fence_operand(p2_f, num_regs=C * BK // threads)  # stay after the wait
                 for i, d in T.Parallel(C, BK):
                     if i >= BS * J:  # rows before the sub-chunk: dM is zero there (and the factor unbounded)
                         s = T.exp2((gam_s[i, d] - gam_s[BS * J + BS - 1, d]) * LOG2E)
@@ -432,6 +435,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 T.wgmma_gemm(dab_s[BS * I:BS * I + BS, :], xkh_s, p1_f, transpose_A=True, transpose_B=True)
                 T.wgmma_gemm(dab_s[BS * I:BS * I + BS, :], xkl_s, p1_f, transpose_A=True, transpose_B=True)
                 T.wait_wgmma(0)
+                T.warpgroup_fence_operand(p1_f, num_regs=C * BK // threads)
                 for j, d in T.Parallel(C, BK):
                     if j < BS * (I + 1):  # columns after the sub-chunk: dM is zero there
                         dxq_f[j, d] = dxq_f[j, d] + T.exp2(

@@ -97,6 +97,8 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
                 T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
                 T.wgmma_gemm(aqk_s, vn_s, o_f)
                 T.wait_wgmma(0)
+                T.warpgroup_fence_operand(S_f, num_regs=K * BV // threads)  # reads of the accumulators
+                T.warpgroup_fence_operand(o_f, num_regs=C * BV // threads)  # stay after the wait
                 if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so that
                     # TileLang hands them back to the TMA producer only once the MMAs have read them
                     O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
@@ -124,7 +126,9 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
     Returns:
-        kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written.
+        kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
+        rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
+        makes them (the kernel relies on it).
     Raises:
         ValueError: V not a multiple of block_v, accum_dtype not float32, or a launch that
             tilelang 0.1.15 miscompiles (:func:`._common.check_state_launch`).
