@@ -2,10 +2,10 @@
 
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
-the CP shard summary launch for the given head dim and dtype (the state + output pass in every
-launch of _common.STATE_LAUNCHES) (chunk_kda's TileLang backend always
-runs the forward with an initial and a final state; the other three variants serve direct callers of
-kda_cp.kernels.chunk_kda_fwd).
+the CP shard summary launch for the given head dim and dtype, the state + output pass in every
+launch of _common.STATE_LAUNCHES. chunk_kda's TileLang backend always runs the forward with an
+initial and a final state; the other three variants serve direct callers of
+kda_cp.kernels.chunk_kda_fwd.
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128
 """

@@ -52,7 +52,6 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
     assert "wgmma" in ker.get_kernel_source()
 
 
-
 @pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128))])
 def test_state_output_releases_tiles_after_its_mmas(K, launch):
     """The state + output pass issues the state update and the output's two MMAs together and waits
