@@ -46,7 +46,11 @@ dg by <= 4e-4 and dbeta by <= 2e-5 relative.
 
 Every loop over the four 16-row sub-chunks is a loop in the generated code, not unrolled: fully
 unrolled, the kernels stalled on instruction fetch (H200, S1: "dk" 9.8 -> 6.5 ms, "ut" 2.9 -> 1.9 ms
-as loops).
+as loops). "dk" is bound by shared-memory bandwidth (Nsight Compute, H200: L1 at 80% of peak), so
+its [token, channel] tiles have a row pitch that keeps the accumulator-layout reads free of bank
+conflicts, and its gate cumsum and closing reverse cumsum run on every thread in parts of 16 rows
+(_common.row_scan_macro); as one thread per channel, with a row reduction of Kd dKd, they left the
+other warps waiting at barriers (S1: 3.33 -> 2.13 ms with the pitch).
 """
 import functools
 
@@ -146,7 +150,7 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
 
 
 def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
-    row_scan = row_scan_macro(C)
+    row_scan = row_scan_macro(C, K, threads)
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
@@ -208,8 +212,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            acc0 = T.alloc_local([C], f32)
-            row_scan(gam_s, acc0, K, bos, eos)  # chunk-local cumsum, one thread per channel, in registers
+            row_scan(gam_s, bos, eos)  # chunk-local cumsum
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
@@ -295,8 +298,14 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BS = SUB
     NSUB = C // BS
     BK = block_k  # key channels per block: every step below is independent per channel
-    GP = BK + 1  # padded row pitch (fp32): column reads gam_s[j, d] over j are bank-conflict free
-    XP = BK + 2  # padded row pitch (16-bit), likewise
+    # Row pitch of the [token, channel] tiles, fp32 and 16-bit alike: BK + 8 makes the reads of
+    # channel pairs in the MMA accumulator layout (8 rows x 4 pairs per warp) bank-conflict free
+    # (a pitch of BK put all 8 rows on one bank, 8-way; an odd one barred the pairwise reads)
+    P = BK + 8
+    row_scan = row_scan_macro(C, BK, threads)
+    NP = C // BS  # the closing reverse scan: parts of 16 rows (as row_scan)
+    PT = threads // BK  # threads per channel
+    MI = -(-NP // PT)  # parts per thread
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
@@ -318,7 +327,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
         DG: T.Tensor([TT, Hn, K], f32),
     ):
         with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
-            # two blocks per SM (~92 KB of shared memory each): registers capped at 128 per thread
+            # two blocks per SM (~86 KB of shared memory each): registers capped at 128 per thread
             # (uncapped, nvcc took 148 and the SM ran one block: 5.0 ms at S1 on an H200, 3.33 ms capped;
             # block_k 32 with three blocks per SM at 80 registers was no faster: 3.33 vs 3.30 ms)
             T.annotate_min_blocks_per_sm(2)
@@ -326,18 +335,18 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             eos = Table[ic, 1]
             k0 = ik * BK
             tx = T.get_thread_binding()
-            gam_s = T.alloc_shared([C, GP], f32)
-            dgam_s = T.alloc_shared([C, BK], f32)
-            k_s = T.alloc_shared([C, XP], dtype)
-            q_s = T.alloc_shared([C, XP], dtype)
+            gam_s = T.alloc_shared([C, P], f32)
+            dgam_s = T.alloc_shared([C, P], f32)
+            k_s = T.alloc_shared([C, P], dtype)
+            q_s = T.alloc_shared([C, P], dtype)
             # the chunk's dAqk and dB (bf16), read once: the GEMMs' A operands, sliced per sub-chunk
             # (row side: its columns, K-major; column side: its rows, transposed)
             daq_s = T.alloc_shared([C, C], MID)
             dab_s = T.alloc_shared([C, C], MID)
             # the assembly's inputs, read once with the others
-            dqg_s = T.alloc_shared([C, BK], MID)
-            dkd_s = T.alloc_shared([C, BK], MID)
-            dgk_s = T.alloc_shared([C, BK], MID)
+            dqg_s = T.alloc_shared([C, P], MID)
+            dkd_s = T.alloc_shared([C, P], MID)
+            dgk_s = T.alloc_shared([C, P], MID)
             # one sub-chunk's factor tables [channel, token], each split into two bf16 pieces
             th_s = T.alloc_shared([BK, BS], MID)
             tl_s = T.alloc_shared([BK, BS], MID)
@@ -346,30 +355,24 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
             xkh_s = T.alloc_shared([BK, BS], MID)
             xkl_s = T.alloc_shared([BK, BS], MID)
             p1_f = T.alloc_fragment([C, BK], f32)  # GEMM accumulators, [token, channel]
-            p2_f = T.alloc_fragment([C, BK], f32)
+            p2_f = T.alloc_fragment([C, BK], f32)  # row side of B's GEMM; then dgamma's row-side terms
             dxq_f = T.alloc_fragment([C, BK], f32)  # row side of Aqk; then the column sides' sum
             dxk_f = T.alloc_fragment([C, BK], f32)  # row side of B; then dk without the column sides
-            last_f = T.alloc_fragment([BK], f32)
-            last_s = T.alloc_shared([BK], f32)
-            acc = T.alloc_local([C], f32)  # one channel's column, in registers (threads < BK)
+            part_s = T.alloc_shared([NP, BK], f32)  # the reverse scan's part totals
+            pk_s = T.alloc_shared([NP, BK], f32)  # and its parts' sums of Kd dKd
+            rev = T.alloc_local([MI * BS], f32)
+            pk = T.alloc_local([MI], f32)
 
             T.copy(DAqk[ic, ih, :, :], daq_s)
             T.copy(DB[ic, ih, :, :], dab_s)
-            T.copy(DQg[ic, ih, :, k0:k0 + BK], dqg_s)
-            T.copy(DKd[ic, ih, :, k0:k0 + BK], dkd_s)
-            T.copy(DGk[ic, ih, :, k0:k0 + BK], dgk_s)
             for i, d in T.Parallel(C, BK):
+                dqg_s[i, d] = DQg[ic, ih, i, k0 + d]
+                dkd_s[i, d] = DKd[ic, ih, i, k0 + d]
+                dgk_s[i, d] = DGk[ic, ih, i, k0 + d]
                 k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, k0 + d], T.cast(0, dtype))
                 q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, k0 + d], T.cast(0, dtype))
-            # chunk-local cumsum: thread d < BK loads its channel's gates into registers (independent
-            # loads), adds them in a register chain, then stores the column
-            if tx < BK:
-                for i in T.unroll(C):
-                    acc[i] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + tx], T.float32(0))
-                for i in T.unroll(1, C):
-                    acc[i] = acc[i - 1] + acc[i]
-                for i in T.unroll(C):
-                    gam_s[i, tx] = acc[i]
+                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, k0 + d], T.float32(0))
+            row_scan(gam_s, bos, eos)  # chunk-local cumsum
 
             # ---- row side, by column sub-chunk J (reference s_J = gamma[16 J + 15], its last row):
             # dx_i += exp(gamma_i - s_J) sum_{j in J} dM_ij (k_j exp(s_J - gamma_j)),  rows i >= 16 J
@@ -395,7 +398,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                         dxq_f[i, d] = dxq_f[i, d] + s * p1_f[i, d]
                         dxk_f[i, d] = dxk_f[i, d] + s * p2_f[i, d]
 
-            # ---- assembly of dq and of the row-side terms of dk, dgamma ----
+            # ---- assembly of dq and of the row-side terms of dk, dgamma (dgamma in p2_f) ----
             for i, d in T.Parallel(C, BK):
                 gi = gam_s[i, d]
                 Gi = T.exp2(gi * LOG2E)
@@ -405,14 +408,10 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 dgk = Gi * T.cast(dgk_s[i, d], f32)
                 dkd = T.cast(dkd_s[i, d], f32)
                 dqs = Gi * T.cast(dqg_s[i, d], f32) + dxq_f[i, d]
-                pkd = kv * dec * dkd
-                p1_f[i, d] = pkd  # summed over the rows below (gamma_C's term)
-                dgam_s[i, d] = qs * dqs + kv * (dgk + dxk_f[i, d]) - pkd
+                p2_f[i, d] = qs * dqs + kv * (dgk + dxk_f[i, d]) - kv * dec * dkd
                 dxk_f[i, d] = dgk + dec * dkd + dxk_f[i, d]
                 if bos + i < eos:
                     DQ[bos + i, ih, k0 + d] = T.cast(dqs * scale, dtype)
-            T.reduce_sum(p1_f, last_f, dim=0)
-            T.copy(last_f, last_s)
 
             # ---- column side, by row sub-chunk I (reference r_I = gamma[16 I - 1], 0 for I = 0):
             # dk_j += exp(r_I - gamma_j) sum_{i in I} dM_ij (x_i exp(gamma_i - r_I)),  columns j < 16 (I + 1),
@@ -441,24 +440,41 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                         dxq_f[j, d] = dxq_f[j, d] + T.exp2(
                             (sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E) * p1_f[j, d]
 
-            # ---- dk; dgamma -= k (dk(B) + dk(Aqk)) ----
+            # ---- dk; dgamma = row-side terms - k (dk(B) + dk(Aqk)) ----
             for i, d in T.Parallel(C, BK):
-                dgam_s[i, d] = dgam_s[i, d] - T.cast(k_s[i, d], f32) * dxq_f[i, d]
+                dgam_s[i, d] = p2_f[i, d] - T.cast(k_s[i, d], f32) * dxq_f[i, d]
                 if bos + i < eos:
                     DK[bos + i, ih, k0 + d] = T.cast(dxk_f[i, d] + dxq_f[i, d], dtype)
 
-            # ---- gamma_C terms (sum_i Kd_i dKd_i + eC deC), then the reverse cumsum over the chunk ----
-            if tx < BK:  # as the forward cumsum: independent loads, a register chain, then the stores
-                for i in T.unroll(C):
-                    acc[i] = dgam_s[i, tx]
-                acc[C - 1] = (last_s[tx] + DEc[ic, ih, k0 + tx] * T.exp2(gam_s[C - 1, tx] * LOG2E)) + acc[C - 1]
-                for i in T.unroll(1, C):
-                    acc[C - 1 - i] = acc[C - i] + acc[C - 1 - i]
-                for i in T.unroll(C):
-                    dgam_s[i, tx] = acc[i]
-            for i, d in T.Parallel(C, BK):
-                if bos + i < eos:
-                    DG[bos + i, ih, k0 + d] = dgam_s[i, d]
+            # ---- dg: the reverse cumsum of dgamma over the chunk, plus the terms of gamma_C
+            # (sum_i Kd_i dKd_i + eC deC); as the forward scan, thread t takes channel t % BK and
+            # the parts of 16 rows t // BK, t // BK + threads / BK, ...
+            d = tx % BK
+            for m in T.unroll(MI):
+                p = tx // BK + m * PT
+                if p < NP:
+                    pk[m] = T.float32(0)
+                    for r in T.unroll(BS):
+                        i = p * BS + r
+                        rev[m * BS + r] = dgam_s[i, d]
+                        pk[m] = pk[m] + T.cast(k_s[i, d], f32) * T.exp2(
+                            (gam_s[C - 1, d] - gam_s[i, d]) * LOG2E) * T.cast(dkd_s[i, d], f32)
+                    for r in T.unroll(1, BS):
+                        rev[m * BS + BS - 1 - r] = rev[m * BS + BS - r] + rev[m * BS + BS - 1 - r]
+                    part_s[p, d] = rev[m * BS]
+                    pk_s[p, d] = pk[m]
+            T.sync_threads()
+            for m in T.unroll(MI):
+                p = tx // BK + m * PT
+                if p < NP:
+                    off = DEc[ic, ih, k0 + d] * T.exp2(gam_s[C - 1, d] * LOG2E)
+                    for pp in tuple(range(NP)):
+                        off = off + pk_s[pp, d]
+                    for pp in tuple(range(1, NP)):  # the parts below this one, in part order
+                        off = off + T.if_then_else(pp > p, part_s[pp, d], T.float32(0))
+                    for r in T.unroll(BS):
+                        if bos + p * BS + r < eos:
+                            DG[bos + p * BS + r, ih, k0 + d] = rev[m * BS + r] + off
 
     return kda_bwd_dk
 
@@ -505,15 +521,17 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     threads: 256 (two warpgroups, each taking 32 of the 64 channels of every wgmma), at most 128
-    registers per thread so that two blocks share an SM. At S1 on an H200: 3.33 ms; as M = 16
-    mma.sync GEMMs per row sub-chunk (the earlier form) 4.96 ms with 256 threads, 6.56 ms with
-    128, 5.35 ms with block_k 32 and 128 threads (kernels/NOTES.md).
+    registers per thread so that two blocks share an SM. At S1 on an H200: 2.13 ms (3.33 ms with
+    unpadded tiles and one thread per channel in the cumsums); as M = 16 mma.sync GEMMs per row
+    sub-chunk (an earlier form) 4.96 ms with 256 threads, 6.56 ms with 128, 5.35 ms with block_k 32
+    and 128 threads (kernels/NOTES.md). ValueError unless chunk_size is 64 and K and threads are
+    multiples of block_k.
     """
     block_k = min(block_k, K)
-    if chunk_size != 64 or accum_dtype != "float32" or K % block_k:
+    if chunk_size != 64 or accum_dtype != "float32" or K % block_k or threads % block_k:
         # chunk_size: the chunk's tokens are the M of every wgmma, 64 per warpgroup
-        raise ValueError(f"chunk_size must be 64, accum_dtype float32 and K a multiple of block_k, got "
-                         f"{chunk_size}, {accum_dtype}, K={K}, block_k={block_k}")
+        raise ValueError(f"chunk_size must be 64, accum_dtype float32, K and threads multiples of block_k, got "
+                         f"{chunk_size}, {accum_dtype}, K={K}, threads={threads}, block_k={block_k}")
     return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
                                        block_k),
                           name="kda_bwd_dk")

@@ -35,33 +35,31 @@ import tilelang.language as T
 from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
 
 
-def _solve_macros(C, K, f32, threads=None):
+def _solve_macros(C, K, f32, threads):
     """TileLang macros shared by both chunk-local kernels (fp32, CUDA cores).
 
     The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
     the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.3 ms as loops,
     1.72 ms as loops with 256 threads).
 
-    load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, one thread
-        per key channel scanning the 64 rows in registers (_common.row_scan_macro); rows past eos
+    load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, every thread
+        scanning 16 rows of a key channel in registers (_common.row_scan_macro); rows past eos
         count as g = 0.
     solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
         Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
         registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I])
-        (_common.block_rows_macro; `threads` is needed only for the solve).
+        (_common.block_rows_macro).
     """
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
-    block_rows = None if threads is None else block_rows_macro(C, threads)
-
-    row_scan = row_scan_macro(C)
+    block_rows = block_rows_macro(C, threads)
+    row_scan = row_scan_macro(C, K, threads)
 
     @T.macro
     def load_cumsum(G, bos, eos, ih, gam_s):
         T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
-        acc = T.alloc_local([C], f32)
-        row_scan(gam_s, acc, K, bos, eos)
+        row_scan(gam_s, bos, eos)
 
     @T.macro
     def solve(L_s, Ti_s, Td_s, tmp_s):
@@ -90,7 +88,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
     _, solve = _solve_macros(C, K, f32, threads)
-    row_scan = row_scan_macro(C)
+    row_scan = row_scan_macro(C, K, threads)
     VTPR = threads // C  # threads per row of v
     VPT = V // VTPR  # v values per thread
     if threads % C or V % VTPR:
@@ -120,7 +118,6 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             k_s = T.alloc_shared([C, K], dtype)
             q_s = T.alloc_shared([C, K], dtype)
             beta_s = T.alloc_shared([C], f32)
-            acc = T.alloc_local([C], f32)  # the cumsum's column (row_scan)
             kp_s = T.alloc_shared([BS, K], op)  # k_i exp(gamma_i - r_I), rows of block I
             qp_s = T.alloc_shared([BS, K], op)  # scale q_i exp(gamma_i - r_I)
             km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1), else 0
@@ -145,7 +142,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
                 q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            row_scan(gam_s, acc, K, bos, eos)
+            row_scan(gam_s, bos, eos)
 
             # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
             # one loop in the generated code (not unrolled: smaller code), each row block over all
@@ -337,7 +334,7 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
 
 
 def _decay_func(H, K, C, dtype, f32, scale):
-    load_cumsum, _ = _solve_macros(C, K, f32)
+    load_cumsum, _ = _solve_macros(C, K, f32, K)  # the kernel's K threads
     LOG2E = 1.4426950408889634
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
