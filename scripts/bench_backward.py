@@ -161,6 +161,25 @@ def bench_shape(s, repeats, fla_chunk_kda, profile=False):
     return row
 
 
+def print_table_fwd_bwd(rows, dev, repeats):
+    """The markdown table of bench_shape's rows ({shape name: row})."""
+    print(f"\nForward+backward, bf16, gates bounded at -5, {dev}, median of {repeats}\n")
+    print("| shape | kda_cp fwd+bwd ms | fla fwd+bwd ms | fla / kda_cp | kda_cp fwd ms | fla fwd ms "
+          "| kda_cp bwd ms | state_grad ms | kda_cp held / peak MiB | fla held / peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][:80]} |")
+            continue
+        a, f = r["kda_cp"], r.get("fla")
+        fl = lambda key, fmt="{:.3f}": fmt.format(f[key]) if f else "-"  # noqa: E731
+        ratio = f"{f['fwd_bwd_ms'] / a['fwd_bwd_ms']:.2f}x" if f else "-"
+        print(f"| {name} | {a['fwd_bwd_ms']:.3f} | {fl('fwd_bwd_ms')} | {ratio} | {a['fwd_ms']:.3f} | "
+              f"{fl('fwd_ms')} | {a['bwd_ms']:.3f} | {a['state_grad_ms']:.3f} | "
+              f"{a['held_MiB']:.0f} / {a['peak_MiB']:.0f} | "
+              f"{fl('held_MiB', '{:.0f}')} / {fl('peak_MiB', '{:.0f}')} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_backward.json")
@@ -186,21 +205,7 @@ def main():
         print(name, json.dumps(row), flush=True)
         torch.cuda.empty_cache()
 
-    print(f"\nForward+backward, bf16, gates bounded at -5, {dev}, median of {args.repeats}\n")
-    print("| shape | kda_cp fwd+bwd ms | fla fwd+bwd ms | fla / kda_cp | kda_cp fwd ms | fla fwd ms "
-          "| kda_cp bwd ms | state_grad ms | kda_cp peak MiB | fla peak MiB | fla held MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in results["shapes"].items():
-        if "error" in r:
-            print(f"| {name} | error: {r['error'][:80]} |")
-            continue
-        a, f = r["kda_cp"], r.get("fla")
-        fl = lambda key, fmt="{:.3f}": fmt.format(f[key]) if f else "-"  # noqa: E731
-        ratio = f"{f['fwd_bwd_ms'] / a['fwd_bwd_ms']:.2f}x" if f else "-"
-        print(f"| {name} | {a['fwd_bwd_ms']:.3f} | {fl('fwd_bwd_ms')} | {ratio} | {a['fwd_ms']:.3f} | "
-              f"{fl('fwd_ms')} | {a['bwd_ms']:.3f} | "
-              f"{a['state_grad_ms']:.3f} | {a['peak_MiB']:.0f} | {fl('peak_MiB', '{:.0f}')} | "
-              f"{fl('held_MiB', '{:.0f}')} |")
+    print_table_fwd_bwd(results["shapes"], dev, args.repeats)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1)
 

@@ -1,7 +1,7 @@
 """Forward timing of the TileLang KDA kernels against flash-linear-attention and the torch backend.
 
 Usage (on a Hopper GPU):
-    python scripts/bench_kernels.py --out bench.json [--shapes S1 S2 S3] [--repeats 20]
+    python scripts/bench_kernels.py --out bench.json [--shapes S1 S2 S3] [--repeats 20] [--backward]
 
 For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0,1).
 Times (median over --repeats, CUDA events around each call, after warm-up):
@@ -12,7 +12,10 @@ Times (median over --repeats, CUDA events around each call, after warm-up):
   CP summary  kda_cp.kernels.chunk_kda_summary_prepared: what context parallelism adds to the
            forward (the summary from the forward's chunk-local tensors, which it computes anyway)
 It also reports the relative RMS difference between kda_cp's and fla's outputs (a cross-check, not
-a test). Prints a markdown table and writes JSON to --out.
+a test). With --backward, also forward+backward time and the memory held between forward and
+backward and the allocator peak, kda_cp and fla side by side through autograd, at the same shapes
+(scripts/bench_backward.py's measurement, under "backward" in the JSON; fla's first step per shape
+autotunes for ~30-40 s). Prints markdown tables and writes JSON to --out.
 """
 import argparse
 import json
@@ -86,6 +89,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="skip the torch backend")
     ap.add_argument("--sweep", action="store_true",
                     help="time the stage kernels alone over tile configs at the first shape")
+    ap.add_argument("--backward", action="store_true",
+                    help="also forward+backward time and memory, with fla (scripts/bench_backward.py)")
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler CUDA time per kernel (kda_cp fwd and summary, first shape)")
     args = ap.parse_args()
@@ -155,6 +160,14 @@ def main():
         print(f"| {shp} | {r['kda_cp_ms']:.3f} | {fla} | {ratio} | {tch} | {r['summary_ms']:.3f} | "
               f"{r['summary_ms'] / r['kda_cp_ms']:.2f} | {r['cp_summary_ms']:.3f} | "
               f"{r['cp_summary_ms'] / r['kda_cp_ms']:.2f} |")
+    if args.backward:
+        from bench_backward import bench_shape, print_table_fwd_bwd
+
+        results["backward"] = {}
+        for name in args.shapes:
+            results["backward"][name] = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda)
+            torch.cuda.empty_cache()
+        print_table_fwd_bwd(results["backward"], dev, args.repeats)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
