@@ -7,7 +7,7 @@
 # "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py;
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
 # "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
-# compared with the first); "fla": bench_backward.py with fla-core at S1 (its first call compiles and autotunes for minutes). Logs and JSON go to $OUT; one line per step
+# compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log.
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
@@ -37,7 +37,8 @@ for step in $STEPS; do
       run tune ${BENCH_LIMIT:-600} python scripts/tune_launches.py --out "$OUT/tune_launches.json"
       grep "^| " "$OUT/tune.log" | tee -a "$OUT/summary.log" ;;
     fla)
-      run bench_backward 600 python scripts/bench_backward.py --shapes S1 --repeats 5 --profile --out "$OUT/bench_backward.json"
+      run bench_backward 600 python scripts/bench_backward.py --shapes S1 S2 S3 --repeats 5 --profile \
+        --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
   esac

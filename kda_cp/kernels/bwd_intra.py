@@ -300,7 +300,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BK = block_k  # key channels per block: every step below is independent per channel
     # Row pitch of the [token, channel] tiles, fp32 and 16-bit alike: BK + 8 makes the reads of
     # channel pairs in the MMA accumulator layout (8 rows x 4 pairs per warp) bank-conflict free
-    # (a pitch of BK put all 8 rows on one bank, 8-way; an odd one barred the pairwise reads)
+    # (a pitch of BK put all 8 rows on one bank, 8-way; an odd one barred the pairwise reads). The
+    # factor-table builds, which read 16 rows x 2 channels, pay for it: gam_s up to 4-way (was
+    # 2-way), k and q 2-way (were conflict free); there are fewer of those reads.
     P = BK + 8
     row_scan = row_scan_macro(C, BK, threads)
     NP = C // BS  # the closing reverse scan: parts of 16 rows (as row_scan)
@@ -328,8 +330,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     ):
         with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
             # two blocks per SM (~86 KB of shared memory each): registers capped at 128 per thread
-            # (uncapped, nvcc took 148 and the SM ran one block: 5.0 ms at S1 on an H200, 3.33 ms capped;
-            # block_k 32 with three blocks per SM at 80 registers was no faster: 3.33 vs 3.30 ms)
+            # (before the padded tiles: uncapped, nvcc took 148 and the SM ran one block, 5.0 ms at S1
+            # on an H200, 3.33 ms capped; block_k 32 with three blocks per SM at 80 registers was no
+            # faster, 3.33 vs 3.30 ms)
             T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
@@ -503,6 +506,8 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
     dB[NC,H,C,C] bf16, dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
+    threads: 256 (two blocks per SM) or 128; a multiple of K (the gate cumsum) and 16 times a
+    divisor of 16 (the solve), ValueError otherwise.
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "

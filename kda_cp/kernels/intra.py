@@ -324,7 +324,8 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
 
     Same math as :func:`build_intra_kernel` without the Q terms; every GEMM is 3xTF32 and the
     outputs are fp32: kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
-    W[NC,H,C,K] f32, U[NC,H,C,V] f32, KdT[NC,H,K,C] f32, eC[NC,H,K] f32).
+    W[NC,H,C,K] f32, U[NC,H,C,V] f32, KdT[NC,H,K,C] f32, eC[NC,H,K] f32). threads: a multiple of
+    K and 16 times a divisor of 16 (ValueError otherwise).
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
@@ -396,8 +397,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         chunk_size: C, a multiple of 16 (64 is the tuned value).
         dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
         scale: the output scale folded into Qg and Aqk (static; part of the cache key).
-        threads: per block, a multiple of chunk_size and 16 times a divisor of 16 (ValueError
-            otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
+        threads: per block, a multiple of chunk_size and of K and 16 times a divisor of 16
+            (ValueError otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
             measured 1.72 ms at S1 on an H200 against 2.3 ms with 128; 1.58 ms since q is read
             once with k and g, Qg and Kd are written in the row-block loop, the masked rows of the
             column factor take no exponential, v's load is issued before the solve and the
