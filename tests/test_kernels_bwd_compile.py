@@ -60,6 +60,11 @@ def test_bwd_dk_compiles(K, dtype):
     # the sub-chunk loops (row side by J, column side by I) are not unrolled (1.5x slower)
     assert "for (int J = 0; J < 4; ++J)" in src and "for (int I = 0; I < 4; ++I)" in src
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
+    # the gate cumsums run on every thread, and the per-channel sum of Kd dKd inside the reverse one:
+    # a 64-thread scan and a row reduction (eight AllReduce rounds, each with a barrier) made the
+    # other warps wait, 3.33 ms at S1 against 2.13 (kernels/NOTES.md, tenth session)
+    assert "AllReduce" not in src
+    assert "if (((int)threadIdx.x) < 64)" not in src
 
 
 @pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
@@ -84,3 +89,7 @@ def test_factory_rejects_bad_config():
         build_bwd_ut_kernel(None, 64, 64, 40, "bfloat16")  # chunk_size % 16
     with pytest.raises(ValueError, match="chunk_size must be 64"):  # the wgmma M, not a compile error
         build_bwd_dk_kernel(None, 64, 32, "bfloat16", scale=0.125)
+    with pytest.raises(ValueError, match="threads"):  # the scans give each channel the same threads
+        build_bwd_dk_kernel(None, 128, 64, "bfloat16", scale=0.125, threads=96)
+    with pytest.raises(ValueError, match="threads"):
+        build_bwd_ut_kernel(None, 128, 128, 64, "bfloat16", threads=192)
