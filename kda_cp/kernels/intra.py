@@ -121,7 +121,10 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             kp_s = T.alloc_shared([BS, K], op)  # k_i exp(gamma_i - r_I), rows of block I
             qp_s = T.alloc_shared([BS, K], op)  # scale q_i exp(gamma_i - r_I)
             km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1), else 0
-            L_s = T.alloc_shared([C, C], f32)
+            # row pitch C + 8: the stores of Akk from the MMA fragment (8 rows x 4 column pairs per
+            # warp) and the solve's reads of two rows at once spread over the banks (a pitch of C put
+            # the 8 rows on one bank: 8-way conflicts, 7% of the kernel's shared wavefronts on an H200)
+            L_s = T.alloc_shared([C, C + 8], f32)
             Ti_s = T.alloc_shared([C, C], f32)
             Td_s = T.alloc_shared([NSUB, BS, BS], f32)
             tmp_s = T.alloc_shared([BS, C], f32)
