@@ -93,3 +93,5 @@ def test_factory_rejects_bad_config():
         build_bwd_dk_kernel(None, 128, 64, "bfloat16", scale=0.125, threads=96)
     with pytest.raises(ValueError, match="threads"):
         build_bwd_ut_kernel(None, 128, 128, 64, "bfloat16", threads=192)
+    with pytest.raises(ValueError, match="threads"):  # deC's row sum: the same threads per row
+        build_bwd_dv_kernel(None, 128, 128, 64, "bfloat16", threads=192)
