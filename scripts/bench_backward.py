@@ -161,6 +161,20 @@ def bench_shape(s, repeats, fla_chunk_kda, profile=False):
     return row
 
 
+def bench_shapes(names, repeats, fla_chunk_kda, profile=False):
+    """bench_shape at each named shape ({name: row}); a shape that fails (e.g. out of memory) gets a
+    row with its error and the others still run."""
+    rows = {}
+    for name in names:
+        try:
+            rows[name] = bench_shape(SHAPES[name], repeats, fla_chunk_kda, profile)
+        except Exception as e:  # e.g. out of memory: report and go on
+            rows[name] = dict(SHAPES[name], error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(name, json.dumps(rows[name]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def print_table_fwd_bwd(rows, dev, repeats):
     """The markdown table of bench_shape's rows ({shape name: row})."""
     print(f"\nForward+backward, bf16, gates bounded at -5, {dev}, median of {repeats}\n")
@@ -195,15 +209,8 @@ def main():
         except Exception as e:
             print(f"fla-core not importable ({type(e).__name__}: {e}); skipping the peer")
     dev = torch.cuda.get_device_name()
-    results = {"device": dev, "torch": torch.__version__, "shapes": {}}
-    for name in args.shapes:
-        try:
-            row = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda, args.profile)
-        except Exception as e:  # e.g. out of memory: report and go on
-            row = dict(SHAPES[name], error=f"{type(e).__name__}: {str(e)[:300]}")
-        results["shapes"][name] = row
-        print(name, json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+    results = {"device": dev, "torch": torch.__version__,
+               "shapes": bench_shapes(args.shapes, args.repeats, fla_chunk_kda, args.profile)}
 
     print_table_fwd_bwd(results["shapes"], dev, args.repeats)
     with open(args.out, "w") as fh:

@@ -1,4 +1,4 @@
-"""Forward timing of the TileLang KDA kernels against flash-linear-attention and the torch backend.
+"""Forward (--backward: also forward+backward) timing of the TileLang KDA kernels vs fla-core, torch.
 
 Usage (on a Hopper GPU):
     python scripts/bench_kernels.py --out bench.json [--shapes S1 S2 S3] [--repeats 20] [--backward]
@@ -162,15 +162,9 @@ def main():
               f"{r['summary_ms'] / r['kda_cp_ms']:.2f} | {r['cp_summary_ms']:.3f} | "
               f"{r['cp_summary_ms'] / r['kda_cp_ms']:.2f} |")
     if args.backward:
-        from bench_backward import bench_shape, print_table_fwd_bwd
+        from bench_backward import bench_shapes, print_table_fwd_bwd
 
-        results["backward"] = {}
-        for name in args.shapes:
-            try:
-                results["backward"][name] = bench_shape(SHAPES[name], args.repeats, fla_chunk_kda)
-            except Exception as e:  # e.g. out of memory: report and go on
-                results["backward"][name] = dict(SHAPES[name], error=f"{type(e).__name__}: {str(e)[:300]}")
-            torch.cuda.empty_cache()
+        results["backward"] = bench_shapes(args.shapes, args.repeats, fla_chunk_kda)
         print_table_fwd_bwd(results["backward"], dev, args.repeats)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -37,7 +37,7 @@ for step in $STEPS; do
       run tune ${BENCH_LIMIT:-600} python scripts/tune_launches.py --out "$OUT/tune_launches.json"
       grep "^| " "$OUT/tune.log" | tee -a "$OUT/summary.log" ;;
     fla)
-      run bench_backward 600 python scripts/bench_backward.py --shapes S1 S2 S3 --repeats 5 --profile \
+      run bench_backward ${BENCH_LIMIT:-600} python scripts/bench_backward.py --shapes S1 S2 S3 --repeats 5 --profile \
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;

@@ -87,21 +87,31 @@ def loop_text(src, loop_header):
     return src[start:end]
 
 
+# A store into a shared MMA operand in generated CUDA, either form TileLang emits (indexed, or
+# pointer plus offset), for each 16-bit and TF32 element type; group 1 is the buffer's name.
+SHARED_OPERAND_STORE = re.compile(r"\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+_s)\)(?:\[.*[\]\)]| \+.*\)) =")
+
+
+def _is_mma_wait(line):
+    return "warpgroup_wait<0>" in line or "wait_wgmma<0>" in line
+
+
 def assert_released_after_wait(src, loop_header):
     """In the (consumer) loop opening with `loop_header`, taken cyclically: no mbarrier arrive (which
-    hands a pipelined tile back to the TMA producer, who may then overwrite it) and no stmatrix store
-    into a shared operand while an MMA group committed before it has not been waited for."""
+    hands a pipelined tile back to the TMA producer, who may then overwrite it) and no store into a
+    shared operand (stmatrix or SHARED_OPERAND_STORE) while an MMA group committed before it has not
+    been waited for."""
     lines = loop_text(src, loop_header).splitlines()[1:]
     release = re.compile(r"(?<!warpgroup_)(?<!tma_store_)arrive\(|mbarrier_arrive\(")  # not the MMA fence
-    shared_store = re.compile(r"stmatrix|\(\((?:tfloat32_t|bfloat16_t|half_t)\*\)\w+_s\)\[[^\]]*\] =")
     pending = None
     for sweep in range(2):  # the second sweep starts with what the end of the loop left pending
         for n, line in enumerate(lines):
             if "warpgroup_commit_batch" in line:
                 pending = n
-            elif "warpgroup_wait<0>" in line or "wait_wgmma<0>" in line:
+            elif _is_mma_wait(line):
                 pending = None
-            elif pending is not None and (release.search(line) or shared_store.search(line)):
+            elif pending is not None and (release.search(line) or "stmatrix" in line
+                                          or SHARED_OPERAND_STORE.search(line)):
                 raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) while the MMA group "
                                      f"committed at line {pending} may still read shared memory")
 
@@ -109,25 +119,24 @@ def assert_released_after_wait(src, loop_header):
 def async_mma_events(src, loop_header):
     """The loop of generated CUDA that opens with `loop_header`, as a list of events: ("bar",),
     ("fence",), ("wait",), ("issue", {buffers the MMA group reads}), ("store", buffer) for stores
-    into 16-bit or TF32 shared operands."""
+    into 16-bit or TF32 shared operands (SHARED_OPERAND_STORE)."""
     events, reads = [], set()
     for line in loop_text(src, loop_header).splitlines():
         if "__syncthreads()" in line:
             events.append(("bar",))
         elif "fence_proxy_async" in line:
             events.append(("fence",))
-        elif "wait_wgmma" in line:
+        elif _is_mma_wait(line):
             events.append(("wait",))
         elif "initialize_wgmma_descriptor" in line:
-            reads.add(re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+)\)", line).group(1))
+            reads.add(re.search(r"\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+)\)", line).group(1))
         elif "warpgroup_commit_batch" in line:
             events.append(("issue", frozenset(reads)))
             reads = set()
         else:
-            m = re.search(r"\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)(\[| \+).*\) ="
-                          r"|\(\((?:tfloat32_t|bfloat16_t)\*\)(\w+_s)\)\[.*\] =", line)
+            m = SHARED_OPERAND_STORE.search(line)
             if m:
-                events.append(("store", m.group(1) or m.group(3)))
+                events.append(("store", m.group(1)))
     return events
 
 

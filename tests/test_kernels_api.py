@@ -81,6 +81,8 @@ def test_miscompiled_state_launch_is_refused():
         check_state_launch(64, 256)
     with pytest.raises(ValueError, match="miscompiled"):
         check_state_launch(128, 512)
+    with pytest.raises(ValueError, match="unmeasured"):  # 64 per warpgroup: never measured
+        check_state_launch(128, 256)
     for block_v, threads in STATE_LAUNCHES + ((64, 128), (32, 128)):
         check_state_launch(block_v, threads)
 

@@ -68,7 +68,8 @@ def test_state_output_releases_tiles_after_its_mmas(K, launch):
 
 
 @pytest.mark.parametrize("early", ["mbarrier[3].arrive();", "mbarrier[3].arrive(0, p);", "tl::mbarrier_arrive(b);",
-                                   "((bfloat16_t*)vn_s)[i] = x;", "tl::ptx_stmatrix_m8n8_x4(a, b, c, d, e);"])
+                                   "((bfloat16_t*)vn_s)[i] = x;", "*(uint4*)(((half_t*)vn_s) + i) = x;",
+                                   "tl::ptx_stmatrix_m8n8_x4(a, b, c, d, e);"])
 def test_release_check_catches_an_early_release(early):
     header = "for (int c_1 = 0; c_1 < n; ++c_1) {"
     loop = header + "\n  tl::warpgroup_arrive();\n  tl::warpgroup_commit_batch();\n  {}\n  tl::wait_wgmma<0>();\n}}\n"

@@ -43,8 +43,8 @@ def _solve_macros(C, K, f32, threads):
     1.72 ms as loops with 256 threads).
 
     load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, every thread
-        scanning 16 rows of a key channel in registers (_common.row_scan_macro); rows past eos
-        count as g = 0.
+        scanning parts of 16 rows of a key channel in registers (_common.row_scan_macro); rows past
+        eos count as g = 0.
     solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
         Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
         registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I])
