@@ -37,7 +37,7 @@ def main():
             run(a.only)
             torch.cuda.synchronize()
             continue
-        auto = _summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks, per_sm=2)
+        auto = _summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks)
         print(f"\n{name} {sh} (default pieces: {auto})\n| operands | pieces | ms | rel diff of [M, S~] vs TF32, "
               f"1 piece |\n|---|---|---|---|")
         ref = None

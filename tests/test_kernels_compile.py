@@ -8,6 +8,7 @@ and, in the summary's loop of asynchronous MMAs, the barriers, proxy fences and 
 shared-memory operand stores from racing the other warpgroup's MMAs.
 About 5 minutes on 2 CPU cores (the chunk-local kernels take ~100 s each to compile there).
 """
+import re
 import shutil
 
 import pytest
@@ -83,12 +84,17 @@ def test_release_check_catches_an_early_release(early):
                                               (128, "bfloat16", "tf32x2"), (64, "float16", "bf16x2")])
 def test_cp_summary_kernel_compiles(K, dtype, operands):
     """The summary state pass on the forward's 16-bit W/Kd (what CP runs). bf16 input: bf16 MMAs on
-    the exact W/Kd and two-piece bf16 splits of the state and V', with two blocks per SM; fp16
-    input (not exact in bf16), or tf32x2 asked for: TF32 MMAs only, never a 16-bit MMA."""
+    the exact W/Kd and two-piece bf16 splits of the state and V', which stay in registers as the
+    MMAs' A operands (every MMA register-sourced; S and V' never stored to shared memory), W, Kd, U
+    and eC brought by TMA; fp16 input (not exact in bf16), or tf32x2 asked for: TF32 MMAs only,
+    never a 16-bit MMA."""
     src = build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands).get_kernel_source()
     if dtype == "bfloat16" and operands == "bf16x2":
         assert "kBFloat16, tl::DataType::kBFloat16" in src and "kTensorFloat32" not in src
-        assert "__launch_bounds__(256, 2)" in src
+        assert src.count("tl::wgmma_rs<") == 4 and "tl::wgmma_ss<" not in src
+        shared = set(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src))
+        assert shared == {"w_s", "kd_s", "u_s", "ec_s"} and src.count("tl::tma_load(") == 4
+        assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
     else:
         assert "kTensorFloat32" in src
         assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
@@ -103,10 +109,10 @@ def test_summary_kernels_compile(K):
         assert "kBFloat16, tl::DataType::kBFloat16" not in s and "kFloat16, tl::DataType::kFloat16" not in s
 
 
-@pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (128, "bfloat16", "tf32x2"),
-                                              (64, "float16", "bf16x2"), (128, "float32", "bf16x2")])
+@pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "tf32x2"), (64, "float16", "bf16x2"),
+                                              (128, "float32", "bf16x2")])
 def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
-    """The summary kernel overlaps its operand stores with asynchronous MMAs of two warpgroups. In
+    """The TF32 summary kernel overlaps its operand stores with asynchronous MMAs of two warpgroups. In
     the generated loop (taken cyclically, as iterations follow each other), every store into a
     shared operand must come after the wait of the last MMA group that read it and a block barrier
     after that wait (else the other warpgroup's MMA may still read it), and every MMA group must

@@ -271,19 +271,20 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
                            _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
 
 
-def _summary_pieces(dev, rows, H, K, V, num_chunks, per_sm):
+def _summary_pieces(dev, rows, H, K, V, num_chunks):
     """Into how many pieces to cut each sequence for the summary: the state kernel runs one block
-    per (piece, head, 64 of the V + K columns), up to ``per_sm`` of them at once on an SM. When the
-    blocks leave at least half the SMs idle, cutting each sequence into p pieces (at least 16 chunks
-    each on average) puts p times as many to work, up to ``per_sm`` per SM. H200, 132 SMs, bf16
-    operands (two blocks per SM): T=131072, H=16 (64 blocks) 6.40 / 3.43 / 2.98 ms whole / in 2 / in 4
-    pieces; T=32768, H=32 (128 blocks) 1.68 / 1.73 / 1.76 ms, so no cut there (TF32 operands, one
-    block per SM: 10.1 ms whole, 5.25 ms in 2 pieces at T=131072)."""
+    per (piece, head, 64 of the V + K columns), one at a time on an SM. When the blocks leave at
+    least half the SMs idle, cutting each sequence into p pieces (at least 16 chunks each on
+    average) puts p times as many to work, up to one per SM. H200, 132 SMs, bf16
+    inputs (the register-operand kernel, one block per SM): T=131072, H=16 (64 blocks) 2.59 / 1.48
+    / 1.52 ms whole / in 2 / in 4 pieces; T=32768, H=32 (128 blocks) 0.67 / 0.84 / 0.89 ms, so no
+    cut there (TF32 operands, one block per SM: 10.1 ms whole, 5.25 ms in 2 pieces at
+    T=131072)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = max(1, rows * H * ((V + K) // 64))
     if 2 * blocks > sms:
         return 1
-    return max(1, min(sms * per_sm // blocks, num_chunks // (16 * max(rows, 1))))
+    return max(1, min(sms // blocks, num_chunks // (16 * max(rows, 1))))
 
 
 def _piece_table(seq, pieces):
@@ -308,9 +309,7 @@ def _summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None, operands="bf16x2"):
     _, H, C, K = W.shape
     V = U.shape[-1]
     rows = seq.shape[0]
-    # bf16 operand tiles: two blocks fit an SM (state.py)
-    per_sm = 2 if W.dtype == torch.bfloat16 and operands == "bf16x2" else 1
-    p = _summary_pieces(W.device, rows, H, K, V, num_chunks, per_sm) if pieces is None else pieces
+    p = _summary_pieces(W.device, rows, H, K, V, num_chunks) if pieces is None else pieces
     SM = torch.empty(rows * p, H, K, V + K, device=W.device, dtype=torch.float32)
     build_summary_kernel(None, K, V, C, dtype=_tl_name(W.dtype), operands=operands)(
         W, U, Kd, Ec, seq if p == 1 else _piece_table(seq, p), SM)

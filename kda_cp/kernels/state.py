@@ -25,6 +25,7 @@ Numerics: S is kept in fp32 across chunks; the GEMMs read a copy of S rounded to
 """
 import functools
 
+import tilelang
 import tilelang.language as T
 
 from ._common import check_state_launch, compile_kernel, tf32_hi, tl_dtype
@@ -141,7 +142,7 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
     return compile_kernel(func, name="kda_state_output_fwd")
 
 
-def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
+def _summary_func(H, K, V, C, f32, block_v, threads, in_dtype):
     NC = T.dynamic("NC")
     N = T.dynamic("N")
     Hn = T.dynamic("H") if H is None else H
@@ -154,6 +155,7 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     split_in = in_dtype == f32
     kd_shape = [NC, Hn, K, C] if split_in else [NC, Hn, C, K]
     KPT = K * C // threads  # 16-bit Kd: key channels per thread
+    op = "custom[tfloat32]"
 
     def tf32(x):
         """An fp32 value as a TF32 operand: a bit-cast, no rounding conversion (on the H200 the
@@ -161,13 +163,13 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
         return T.reinterpret(x, op)
 
     def head(x):  # the operand piece that carries x's leading bits
-        return T.cast(x, op) if op == "bfloat16" else tf32(tf32_hi(x))
+        return tf32(tf32_hi(x))
 
     def tail(x):  # x - head(x), as an operand
-        return T.cast(x - T.cast(T.cast(x, op), f32), op) if op == "bfloat16" else tf32(x - tf32_hi(x))
+        return tf32(x - tf32_hi(x))
 
-    def exact(x):  # a 16-bit input value as an operand (exact in both operand types)
-        return x if op == in_dtype else tf32(T.cast(x, f32))
+    def exact(x):  # a 16-bit input value as an operand (exact in TF32)
+        return tf32(T.cast(x, f32))
 
     @T.macro
     def load_w(W, w_r, ci, ih):
@@ -214,8 +216,6 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
         SM: T.Tensor([N, Hn, K, VA], f32),
     ):
         with T.Kernel(NB * N, Hn, threads=threads) as (bx, ih):
-            if op == "bfloat16":  # 16-bit operand tiles take half the shared memory: two blocks per SM
-                T.annotate_min_blocks_per_sm(2)
             n = bx // NB
             col0 = (bx % NB) * BV  # first augmented column of this block
             c0 = Seq[n, 0]
@@ -308,50 +308,139 @@ def _summary_func(H, K, V, C, f32, block_v, threads, op, in_dtype):
     return kda_state_summary
 
 
+def _summary_bf16_func(H, K, V, C, f32, block_v, num_stages):
+    """The summary pass on bf16 W, U, Kd: one warpgroup per block carries S^T in registers as the A
+    operand of both GEMMs (register-sourced wgmma); a TMA producer warpgroup streams each chunk's
+    W, Kd, U and eC into shared memory, num_stages chunks ahead."""
+    NC = T.dynamic("NC")
+    N = T.dynamic("N")
+    Hn = T.dynamic("H") if H is None else H
+    BV = block_v
+    VA = V + K
+    NB = VA // BV
+    bf16 = "bfloat16"
+
+    def head(x):  # x = head + tail to 16 significant bits: two bf16 pieces of an fp32 value
+        return T.cast(x, bf16)
+
+    def tail(x):
+        return T.cast(x - T.cast(T.cast(x, bf16), f32), bf16)
+
+    @T.prim_func
+    def kda_state_summary(
+        W: T.Tensor([NC, Hn, C, K], bf16),
+        U: T.Tensor([NC, Hn, C, V], bf16),
+        Kd: T.Tensor([NC, Hn, C, K], bf16),
+        Ec: T.Tensor([NC, Hn, K], f32),
+        Seq: T.Tensor([N, 4], "int32"),
+        SM: T.Tensor([N, Hn, K, VA], f32),
+    ):
+        with T.Kernel(NB * N, Hn, threads=128) as (bx, ih):
+            n = bx // NB
+            col0 = (bx % NB) * BV  # first augmented column of this block
+            c0 = Seq[n, 0]
+            nc = Seq[n, 1]
+            is_m = col0 >= V  # this block carries columns of M (else of S~)
+            ucol = T.min(col0, V - BV)  # U columns read (an M block reads valid ones and zeroes them)
+
+            w_s = T.alloc_shared([C, K], bf16)  # W: K-major B of V'^T = S^T W^T
+            kd_s = T.alloc_shared([C, K], bf16)  # Kd: N-major B of S^T += V'^T Kd
+            u_s = T.alloc_shared([C, BV], bf16)
+            ec_s = T.alloc_shared([K], f32)
+            S_f = T.alloc_fragment([BV, K], f32)  # S^T
+            sh_f = T.alloc_fragment([BV, K], bf16)  # S^T head and tail: A operands in registers
+            sl_f = T.alloc_fragment([BV, K], bf16)
+            vn_f = T.alloc_fragment([BV, C], f32)  # V'^T
+            vh_f = T.alloc_fragment([BV, C], bf16)
+            vl_f = T.alloc_fragment([BV, C], bf16)
+            # U is read transposed (a thread's pairs sit in rows 2 apart, all on one bank unswizzled)
+            T.annotate_layout({u_s: tilelang.layout.make_swizzled_layout(u_s)})
+
+            for j, d in T.Parallel(BV, K):
+                S_f[j, d] = T.if_then_else(is_m and (d == col0 + j - V), T.float32(1), T.float32(0))
+
+            for c in T.Pipelined(nc, num_stages=num_stages):
+                ci = c0 + c
+                T.copy(W[ci, ih, :, :], w_s)
+                T.copy(Kd[ci, ih, :, :], kd_s)
+                T.copy(U[ci, ih, :, ucol:ucol + BV], u_s)
+                T.copy(Ec[ci, ih, :], ec_s)
+                for j, d in T.Parallel(BV, K):
+                    sh_f[j, d] = head(S_f[j, d])
+                    sl_f[j, d] = tail(S_f[j, d])
+                # V'^T = U^T - S^T W^T: the head's MMAs asynchronous, the tail's synchronous (one
+                # wait for both; W's last read is then complete when TileLang releases it)
+                T.wgmma_gemm(sh_f, w_s, vn_f, transpose_B=True, clear_accum=True)
+                T.gemm(sl_f, w_s, vn_f, transpose_B=True)
+                for j, i in T.Parallel(BV, C):
+                    vn_f[j, i] = T.if_then_else(is_m, T.float32(0), T.cast(u_s[i, j], f32)) - vn_f[j, i]
+                for j, i in T.Parallel(BV, C):
+                    vh_f[j, i] = head(vn_f[j, i])
+                    vl_f[j, i] = tail(vn_f[j, i])
+                # S^T <- S^T Diag(eC) + V'^T Kd
+                for j, d in T.Parallel(BV, K):
+                    S_f[j, d] = S_f[j, d] * ec_s[d]
+                T.wgmma_gemm(vh_f, kd_s, S_f)
+                T.gemm(vl_f, kd_s, S_f)
+
+            for j, d in T.Parallel(BV, K):
+                SM[n, ih, d, col0 + j] = S_f[j, d]
+
+    return kda_state_summary
+
+
 @functools.lru_cache(maxsize=None)
 def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="float32", *, threads=256,
-                         operands="bf16x2"):
+                         operands="bf16x2", num_stages=2):
     """Compile the summary-mode state pass (N, number of chunks and H dynamic).
 
     One block per (sequence, head, 64 augmented columns): the V + K = 256 columns of a head take 4
     blocks, so B*H = 32 heads fill the H200's 132 SMs in one wave (fewer heads: cut the sequences
-    into pieces, kernels._summary_run). The block carries S^T (64 x K, fp32, in registers), so
-    both GEMMs (V'^T = U^T - S^T W^T, S^T <- S^T Diag(eC) + V'^T Kd) write accumulators whose
-    thread-local pairs are adjacent in the K-major TF32 operands they feed next. The MMAs are
-    asynchronous: while V'^T is computed, this chunk's Kd^T and eC go to shared memory and the next
-    chunk's loads are issued; while S^T is updated, the next chunk's W goes to shared memory.
-    Measured at S1 (T=32768, H=32, bf16 inputs) on an H200: 1.68 ms with bf16x2 operands, 2.54 ms
-    with tf32x2 (the S-carrying layout with synchronous MMAs and rounding TF32 conversions took 3.89
-    ms; scripts/tune_summary.py).
+    into pieces, kernels._summary_run). The block carries S^T (64 x K, fp32, in registers) and
+    computes V'^T = U^T - S^T W^T and S^T <- S^T Diag(eC) + V'^T Kd per chunk.
+
+    bf16 inputs with operands="bf16x2" (what CP runs): W and Kd are exact bf16 operands; S^T and
+    V'^T, each split into two bf16 pieces (head + tail, 16 significant bits), are the A operands of
+    register-sourced wgmma, so they never go through shared memory; one warpgroup computes and a
+    TMA producer warpgroup streams W, Kd, U, eC num_stages chunks ahead. H200, S1 (T=32768, H=32):
+    0.67 ms (the previous kernel, which stored both pieces of S^T and V'^T into shared memory for
+    two warpgroups that each read all of them, 1.62 ms; it ran the L1/shared pipe at 76%). Other
+    inputs take TF32 MMAs with every operand in shared memory (two warpgroups, asynchronous MMAs
+    overlapping the next chunk's loads; S1 2.54 ms for bf16 inputs): fp16 W and Kd are exact in
+    TF32 and only the state and V' are split (2xTF32); fp32 inputs (the summary intra kernel's)
+    split every operand (3xTF32).
 
     Args:
         H: None (runtime) or an int; K, V, chunk_size static; K and V multiples of 64.
-        dtype: the inputs' dtype. "float32": W, U, Kd^T from the fp32 summary intra kernel, every
-            product a 3xTF32 split. "bfloat16"/"float16": the forward's chunk-local tensors
-            (chunk_kda_fwd_prepare), exact as operands, so only the state and V' are split.
-        operands: for bf16 inputs, "bf16x2" (bf16 MMAs on two bf16 pieces of the state and V',
-            16 significant bits; half the operand shared memory, so two blocks fit an SM) or
-            "tf32x2" (TF32 MMAs on two TF32 pieces, 21 bits; the previous kernel). fp16 and fp32
-            inputs always take TF32 (fp16 values are not exact in bf16).
-        accum_dtype: "float32". threads: 256 (two warpgroups).
+        dtype: the inputs' dtype. "float32": W, U, Kd^T from the fp32 summary intra kernel.
+            "bfloat16"/"float16": the forward's chunk-local tensors (chunk_kda_fwd_prepare).
+        operands: for bf16 inputs, "bf16x2" (above) or "tf32x2" (TF32 MMAs on two TF32 pieces, 21
+            bits; the TF32 kernel, kept for comparison). fp16 and fp32 inputs always take TF32
+            (fp16 values are not exact in bf16).
+        accum_dtype: "float32". threads: the TF32 kernel's (256: two warpgroups); the bf16 kernel
+            always runs one computing warpgroup plus its producer. num_stages: the bf16 kernel's
+            TMA pipeline depth.
     Returns:
         kernel(W[NC,H,C,K], U[NC,H,C,V], Kd, Ec[NC,H,K] fp32, Seq[N,4] i32, SM[N,H,K,V+K] fp32)
         writing SM = [S~ | M] for each row (first chunk, number of chunks, -, -) of Seq; Kd is
         Kd^T [NC,H,K,C] for fp32 inputs, Kd [NC,H,C,K] for 16-bit ones. A row with no chunks gets
         [0 | I].
     Raises:
-        ValueError for K or V not a multiple of 64, or a thread count that does not split Kd
-        evenly (16-bit inputs: K * chunk_size / threads key channels per thread, a multiple of 8).
+        ValueError for K or V not a multiple of 64, or (TF32 kernel) a thread count that does not
+        split Kd evenly (16-bit inputs: K * chunk_size / threads key channels per thread, a
+        multiple of 8).
     """
     block_v = 64  # one warpgroup M-tile of S^T rows
     if V % block_v or K % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} and K={K} must be multiples of {block_v}; accum_dtype float32")
+    if tl_dtype(dtype) == "bfloat16" and operands == "bf16x2":
+        func = _summary_bf16_func(H, K, V, chunk_size, accum_dtype, block_v, num_stages)
+        return compile_kernel(func, name="kda_state_summary")
     if threads < K or threads % 128:
         raise ValueError(f"threads={threads} must be whole warpgroups and >= K={K} (one thread per key channel of eC)")
     if tl_dtype(dtype) != "float32" and ((K * chunk_size) % threads or (K * chunk_size // threads) % 8
                                         or threads % chunk_size):
         raise ValueError(f"16-bit inputs: threads={threads} must divide K * chunk_size = {K * chunk_size} into a "
                          f"multiple of 8 key channels per thread, and be a multiple of chunk_size={chunk_size}")
-    op = "bfloat16" if tl_dtype(dtype) == "bfloat16" and operands == "bf16x2" else "custom[tfloat32]"
-    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, op, tl_dtype(dtype))
+    func = _summary_func(H, K, V, chunk_size, accum_dtype, block_v, threads, tl_dtype(dtype))
     return compile_kernel(func, name="kda_state_summary")
