@@ -64,12 +64,13 @@ def test_state_launch_fills_the_gpu():
     there (its docstring), and every pick is one of STATE_LAUNCHES. Needs no tilelang."""
     from kda_cp.kernels._common import STATE_LAUNCHES, state_launch
 
-    assert state_launch(132, 1, 32, 128) == (32, 256)  # S1
-    assert state_launch(132, 8, 32, 128) == (32, 256)  # S2
-    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3
+    assert state_launch(132, 1, 32, 128) == (64, 128)  # S1: 64 blocks of the register-operand form
+    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2
+    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 32 blocks would leave 3/4 of the SMs idle
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
-    assert state_launch(78, 1, 16, 128) == (32, 256)  # a smaller GPU fills with fewer blocks
-    assert STATE_LAUNCHES[-1] == (16, 128)  # the fallback: the most blocks
+    assert state_launch(132, 1, 33, 128) == (64, 128)  # 66 blocks: half the SMs
+    assert state_launch(78, 1, 16, 128) == (64, 128)  # a smaller GPU fills with fewer blocks
+    assert STATE_LAUNCHES == ((64, 128), (16, 128))  # the fallback: the most blocks
 
 
 def test_miscompiled_state_launch_is_refused():

@@ -42,22 +42,33 @@ def test_decay_kernel_compiles(K, dtype):
 
 
 @pytest.mark.parametrize("K,dtype,with_h0,store_ht,launch", [
-    (128, "bfloat16", True, True, (32, 256)), (128, "bfloat16", False, False, (16, 128)),
-    (128, "bfloat16", True, False, (16, 128)), (64, "float16", True, False, (32, 256)),
-    (64, "bfloat16", False, True, (32, 256))])
+    (128, "bfloat16", True, True, (64, 128)), (128, "bfloat16", False, False, (16, 128)),
+    (128, "bfloat16", True, False, (16, 128)), (64, "float16", True, False, (64, 128)),
+    (64, "bfloat16", False, True, (64, 128)), (128, "float16", False, True, (32, 256))])
 def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
-    assert launch in STATE_LAUNCHES
+    """Every offered launch (and the shared-operand (32, 256), which the builder still accepts).
+    (64, 128) is the register-operand form: S^T and V'^T are the A operands of register-sourced
+    MMAs and never stored to shared memory, which holds only the TMA-fed tiles and O^T on its way
+    out; no division by the runtime head count (a grid axis per index: the output's per-element
+    addresses had one, which cost a third of the pass)."""
+    assert launch in STATE_LAUNCHES or launch == (32, 256)
     block_v, threads = launch
-    ker = build_state_output_kernel(None, K, K, 64, dtype, with_h0=with_h0, store_ht=store_ht, block_v=block_v,
-                                    threads=threads)
-    assert "wgmma" in ker.get_kernel_source()
+    src = build_state_output_kernel(None, K, K, 64, dtype, with_h0=with_h0, store_ht=store_ht, block_v=block_v,
+                                    threads=threads).get_kernel_source()
+    assert "wgmma" in src
+    if launch == (64, 128):
+        assert src.count("tl::wgmma_rs<") == 4 and "tl::wgmma_ss<" not in src
+        shared = set(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src))
+        assert shared == {"w_s", "u_s", "qg_s", "kd_s", "aqk_s", "ec_s", "o_s"}
+        assert "% ((int64_t)H)" not in src and "/ ((int64_t)H)" not in src
+        assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
 
 
 @pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128))])
 def test_state_output_releases_tiles_after_its_mmas(K, launch):
-    """The state + output pass issues the state update and the output's two MMAs together and waits
-    once: the pipelined tiles they read (Kd, Qg, Aqk) go back to the TMA producer only after that
-    wait, and the next chunk's state store into shared memory too."""
+    """The shared-operand state + output pass issues the state update and the output's two MMAs
+    together and waits once: the pipelined tiles they read (Kd, Qg, Aqk) go back to the TMA
+    producer only after that wait, and the next chunk's state store into shared memory too."""
     block_v, threads = launch
     src = build_state_output_kernel(None, K, K, 64, "bfloat16", with_h0=True, store_ht=True, block_v=block_v,
                                     threads=threads).get_kernel_source()

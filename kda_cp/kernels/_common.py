@@ -218,8 +218,9 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
 
 
 #: (block_v, threads) launches of the state + output pass, widest first; state_launch picks one.
-#: Not (64, 256): tilelang 0.1.15 miscompiles it (see check_state_launch).
-STATE_LAUNCHES = ((32, 256), (16, 128))
+#: (64, 128) is the register-operand form (state.py). Not (64, 256): tilelang 0.1.15 miscompiles it
+#: (see check_state_launch).
+STATE_LAUNCHES = ((64, 128), (16, 128))
 
 
 def check_state_launch(block_v: int, threads: int) -> None:
@@ -247,17 +248,17 @@ def check_state_launch(block_v: int, threads: int) -> None:
 def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     """(block_v, threads) for the state + output pass of N sequences and H heads on `sms` SMs.
 
-    Each block walks all chunks of its sequence, so the pass is a chain of latency-bound steps and
-    wants enough blocks to occupy the GPU: the widest block_v of STATE_LAUNCHES whose V / block_v * N * H
-    blocks reach 3/4 of the SMs, else the narrowest. 256 threads (two warpgroups) per 32 columns;
-    16 columns lower only with 128. H200 (132 SMs), K = V = 128, bf16, ms:
-    T = 32768, N = 1, H = 32: (32, 256) 0.98, (32, 128) 1.19, (16, 128) 1.44;
-    T = 4096, N = 8, H = 32: (32, 256) 0.99, (64, 128) 1.07, (32, 128) 1.20;
-    T = 131072, N = 1, H = 16: (16, 128) 2.81, (32, 256) 3.74, (32, 128) 4.48
-    (scripts/tune_launches.py; docs/results/h200_tune_launches.json is an earlier run, from before
-    the state update and the output's MMAs shared one wait).
+    Each block walks all chunks of its sequence, one block per SM (the register-operand form takes
+    240 registers a thread), so the pass is a chain of latency-bound steps. The register-operand
+    form (64, 128) walks a chunk in about half the time of the shared-operand launches but has the
+    fewest blocks, V / 64 * N * H: it is picked when they reach a quarter of the SMs, else (16,
+    128), four times as many blocks. H200 (132 SMs), K = V = 128, bf16, ms:
+    T = 32768, N = 1, H = 32 (64 blocks): (64, 128) 0.76, (32, 256) 0.97, (16, 128) 1.44;
+    T = 4096, N = 8, H = 32: (64, 128) 0.43, (32, 256) 0.98;
+    T = 131072, N = 1, H = 16 (32 blocks): (16, 128) 2.85, (64, 128) 2.87 to 2.95, (32, 256) 3.74
+    (scratch A/B on the same tensors, eleventh session, kernels/NOTES.md).
     """
-    for block_v, threads in STATE_LAUNCHES:
-        if V % block_v == 0 and (V // block_v) * N * H * 4 >= 3 * sms:
-            return block_v, threads
+    block_v, threads = STATE_LAUNCHES[0]
+    if V % block_v == 0 and (V // block_v) * N * H * 4 >= sms:
+        return block_v, threads
     return STATE_LAUNCHES[-1]
