@@ -30,6 +30,8 @@ def test_bwd_state_compiles(K, dtype, walk):
     # every walk with its default two pipeline stages, as kda_cp.kernels.backward launches them
     src = build_bwd_state_kernel(None, K, K, 64, dtype, walk=walk).get_kernel_source()
     assert "wgmma" in src, "state-walk GEMMs did not lower to wgmma"
+    # a grid axis per index: no 64-bit division by the runtime head count in per-element addresses
+    assert "((int64_t)H)" not in src.replace("* ((int64_t)H)", "")
 
 
 @pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)

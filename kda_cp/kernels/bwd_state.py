@@ -60,9 +60,8 @@ def _bwd_state_func(H, K, V, C, dtype, f32, block_v, threads, walk, num_stages):
         DHs: T.Tensor([NCS, Hn, K, V], dtype),
         DH0: T.Tensor([N, Hn, K, V], f32),
     ):
-        with T.Kernel(V // BV, N * Hn, threads=threads) as (iv, inh):
-            n = inh // Hn
-            ih = inh % Hn
+        # a grid axis per index: no division by the runtime head count in per-element addresses
+        with T.Kernel(V // BV, Hn, N, threads=threads) as (iv, ih, n):
             c0 = Seq[n, 0]
             nc = Seq[n, 1]
             bos = Seq[n, 2]

@@ -51,9 +51,8 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
         O: T.Tensor([TT, Hn, V], dtype),
         HT: T.Tensor([N, Hn, K, V], f32),
     ):
-        with T.Kernel(V // BV, N * Hn, threads=threads) as (iv, inh):
-            n = inh // Hn
-            ih = inh % Hn
+        # a grid axis per index: no division by the runtime head count in per-element addresses
+        with T.Kernel(V // BV, Hn, N, threads=threads) as (iv, ih, n):
             c0 = Seq[n, 0]
             nc = Seq[n, 1]
             bos = Seq[n, 2]
