@@ -9,16 +9,20 @@ chunk-local tensors from intra.py:
     S  <- Diag(eC) S + Kd^T V'        state entering the next chunk
 
 The output stage of DESIGN.md §2 is fused here: O needs the same S and V' that the state pass
-already holds, so fusing saves writing and re-reading the per-chunk states and V'.
+already holds, so fusing saves writing and re-reading the per-chunk states and V'. Two forms: 64
+columns on one warpgroup carry S^T and compute the transposed products, so that S^T and V'^T are
+register A operands of the MMAs (_state_output_regs_func); narrower blocks keep S and V' in shared
+memory as B operands (_state_output_func). _common.state_launch picks one.
 
 Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
-independent, so each block owns block_v columns of either the S~ part or the M part. Every product
-there carries fp32-level accuracy on tensor cores, never one plain 16-bit or TF32 product of an fp32
-value: a 3xTF32 GEMM on the fp32 inputs of intra.build_intra_summary_kernel (chunk_kda_summary); on
-the forward's bf16 W and Kd (chunk_kda_summary_prepared, what context parallelism uses), bf16 MMAs
-with the fp32 side (the state, V') split into two bf16 pieces (16 significant bits; W and Kd exact);
-on fp16 W and Kd (not exact in bf16) 2xTF32 with only the fp32 side split.
+independent, so each block owns 64 columns of either the S~ part or the M part and carries them
+transposed. Every product there carries fp32-level accuracy on tensor cores, never one plain 16-bit
+or TF32 product of an fp32 value: on the forward's bf16 W and Kd (chunk_kda_summary_prepared, what
+context parallelism uses), bf16 MMAs with the fp32 side (the state, V') split into two bf16 pieces
+(16 significant bits; W and Kd exact), the pieces in registers as A operands; on fp16 W and Kd (not
+exact in bf16) 2xTF32 with only the fp32 side split; on the fp32 inputs of
+intra.build_intra_summary_kernel (chunk_kda_summary) 3xTF32.
 
 Numerics: S is kept in fp32 across chunks; the GEMMs read a copy of S rounded to the input dtype
 (as the peers do) and accumulate in fp32. Rows past the sequence end are not written.
