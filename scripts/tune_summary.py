@@ -4,7 +4,9 @@ Times kda_cp.kernels._summary_run (the summary state kernel over each sequence c
 parts, plus their composition) at the benchmark shapes S1 (T=32768, H=32) and S3 (T=131072,
 H=16), bf16, median of repeats with CUDA events, and checks each result against the first one's.
 Prints a table, writes JSON. With --only P it runs pieces=P once per shape (for ncu). Measured on
-an H200 (2026-11-29): S1 2.53 / 2.71 / 2.62 ms for 1 / 2 / 4 pieces, S3 10.12 / 5.25 / 5.28 ms.
+an H200 (2026-11-30, docs/results/h200_tune_summary.json), ms for 1 / 2 / 4 pieces: bf16x2 (the
+register-operand kernel) S1 0.70 / 0.91 / 1.05, S3 2.73 / 1.76 / 1.79; tf32x2 S1 2.56 / 2.76 / 2.63,
+S3 10.13 / 5.57 / 5.51.
 
     python scripts/tune_summary.py --out tune_summary.json [--shapes S1 S3] [--only 2]
 """

@@ -60,8 +60,9 @@ def test_chunk_tables_fixed_and_packed():
 
 
 def test_state_launch_fills_the_gpu():
-    """The launch picked for the benchmark shapes on an H200 (132 SMs) is the one measured fastest
-    there (its docstring), and every pick is one of STATE_LAUNCHES. Needs no tilelang."""
+    """The launch picked for the benchmark shapes on an H200 (132 SMs), and the rule's boundary:
+    (64, 128) once (16, 128)'s four times as many blocks would take a second wave (its docstring).
+    Needs no tilelang."""
     from kda_cp.kernels._common import STATE_LAUNCHES, state_launch
 
     assert state_launch(132, 1, 32, 128) == (64, 128)  # S1: 64 blocks of the register-operand form
@@ -69,6 +70,8 @@ def test_state_launch_fills_the_gpu():
     assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 32 blocks would leave 3/4 of the SMs idle
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
     assert state_launch(132, 1, 33, 128) == (64, 128)  # 66 blocks: half the SMs
+    assert state_launch(132, 1, 33, 64) == (16, 128)  # 4 x 33 blocks of (16, 128) fit one wave
+    assert state_launch(132, 1, 34, 64) == (64, 128)  # 4 x 34 do not
     assert state_launch(78, 1, 16, 128) == (64, 128)  # a smaller GPU fills with fewer blocks
     assert STATE_LAUNCHES == ((64, 128), (16, 128))  # the fallback: the most blocks
 

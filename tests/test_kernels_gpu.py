@@ -113,18 +113,19 @@ def test_fwd_packed_sequences(K, with_h0, gates):
 
 
 @pytest.mark.parametrize("launch", STATE_LAUNCHES, ids=lambda x: f"bv{x[0]}-t{x[1]}")
-@pytest.mark.parametrize("K", [64, 128])
-def test_fwd_every_state_launch(K, launch, monkeypatch):
+@pytest.mark.parametrize("K,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
+def test_fwd_every_state_launch(K, dtype, launch, monkeypatch):
     """Every launch of the state + output pass (_common.STATE_LAUNCHES), forced whatever
-    state_launch would pick for the shape: packed sequences, one of them over several chunks and not
-    a multiple of 64, with h0. (This test found (64, 256) wrong, which no other shape here reached.)"""
+    state_launch would pick for the shape, bf16 and fp16: packed sequences, one of them over several
+    chunks and not a multiple of 64, with h0. (This test found (64, 256) wrong, which no other shape
+    here reached.)"""
     from kda_cp.kernels import _common
 
     monkeypatch.setattr(_common, "state_launch", lambda *args: launch)
     lens = [100, 700, 33]
     H, V = 3, K
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
-    q, k, v, g, beta = make(1, sum(lens), H, K, V, gates="mixed", seed=K + launch[0])
+    q, k, v, g, beta = make(1, sum(lens), H, K, V, dtype=dtype, gates="mixed", seed=K + launch[0])
     h0 = torch.randn(len(lens), H, K, V, device="cuda")
     o, ht = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                                   output_final_state=True, cu_seqlens=cu)
@@ -187,9 +188,10 @@ def test_summary_composes_to_final_state():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_summary_prepared_matches_fp64(dtype):
     """The CP summary from the forward's chunk-local tensors (W, Kd, U in the input dtype; the state
-    and V' split into two pieces, bf16 for bf16 input, TF32 for fp16): M and S~ of each sequence, and of the last one alone, against fp64. Its factors
-    are the forward's own, so the forward's tolerance for the final state applies (not the 1e-3 of
-    the fp32 summary, which recomputes W and Kd in fp32)."""
+    and V' in two pieces, bf16 for bf16 input, TF32 for fp16): M and S~ of each sequence, and of
+    the last one alone, against fp64. Its factors are the forward's own, so the forward's tolerance
+    for the final state applies (not the 1e-3 of the fp32 summary, which recomputes W and Kd in
+    fp32)."""
     H, K = 3, 128
     lens = [700, 0, 45, 1333]  # not multiples of the chunk size; an empty sequence is the identity map
     T = sum(lens)

@@ -276,10 +276,10 @@ def _summary_pieces(dev, rows, H, K, V, num_chunks):
     per (piece, head, 64 of the V + K columns), one at a time on an SM. When the blocks leave at
     least half the SMs idle, cutting each sequence into p pieces (at least 16 chunks each on
     average) puts p times as many to work, up to one per SM. H200, 132 SMs, bf16
-    inputs (the register-operand kernel, one block per SM): T=131072, H=16 (64 blocks) 2.59 / 1.48
-    / 1.52 ms whole / in 2 / in 4 pieces; T=32768, H=32 (128 blocks) 0.67 / 0.84 / 0.89 ms, so no
-    cut there (TF32 operands, one block per SM: 10.1 ms whole, 5.25 ms in 2 pieces at
-    T=131072)."""
+    inputs (the register-operand kernel, one block per SM; `scripts/tune_summary.py`,
+    docs/results/h200_tune_summary.json): T=131072, H=16 (64 blocks) 2.73 / 1.76 / 1.79 ms whole /
+    in 2 / in 4 pieces; T=32768, H=32 (128 blocks) 0.70 / 0.91 / 1.05 ms, so no cut there (TF32
+    operands, one block per SM: 10.1 ms whole, 5.6 ms in 2 pieces at T=131072)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = max(1, rows * H * ((V + K) // 64))
     if 2 * blocks > sms:

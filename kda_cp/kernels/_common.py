@@ -248,17 +248,22 @@ def check_state_launch(block_v: int, threads: int) -> None:
 def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     """(block_v, threads) for the state + output pass of N sequences and H heads on `sms` SMs.
 
-    Each block walks all chunks of its sequence, one block per SM (the register-operand form takes
-    240 registers a thread), so the pass is a chain of latency-bound steps. The register-operand
-    form (64, 128) walks a chunk in about half the time of the shared-operand launches but has the
-    fewest blocks, V / 64 * N * H: it is picked when they reach a quarter of the SMs, else (16,
-    128), four times as many blocks. H200 (132 SMs), K = V = 128, bf16, ms:
-    T = 32768, N = 1, H = 32 (64 blocks): (64, 128) 0.76, (32, 256) 0.97, (16, 128) 1.44;
-    T = 4096, N = 8, H = 32: (64, 128) 0.43, (32, 256) 0.98;
-    T = 131072, N = 1, H = 16 (32 blocks): (16, 128) 2.85, (64, 128) 2.87 to 2.95, (32, 256) 3.74
-    (scratch A/B on the same tensors, eleventh session, kernels/NOTES.md).
+    Each block walks all chunks of its sequence and both offered launches run one block per SM
+    (240 registers a thread), so the pass takes about (waves) x (chunks) x (time per chunk step).
+    The register-operand form (64, 128) has the fewest blocks, B = V / 64 * N * H, and the shortest
+    step; (16, 128) has 4 B blocks. The rule: (64, 128) when (16, 128)'s blocks would not fit in
+    one wave (4 B > sms), else (16, 128). H200 (132 SMs), K = V = 128, bf16, state pass alone:
+    T = 32768, N = 1, H = 32 (B = 64): (64, 128) 0.73-0.76 ms (1.43-1.48 us a step, one wave);
+    T = 4096, N = 8, H = 32: (64, 128) 0.43 ms; T = 131072, N = 1, H = 16 (B = 32): (64, 128)
+    2.87-2.95 ms, (16, 128) about 1.7 ms (0.85 us a step: the forward's 4.86 ms less the
+    chunk-local kernel's 3.08). The (16, 128) figures at S1 / S2 (1.44 / 1.5 ms) and the dropped
+    (32, 256) launch's (0.97 / 0.98 ms) predate the removal of a division from their addresses
+    (eleventh session), which took (16, 128) at S3 from 1.39 to about 0.85 us a step (inferred
+    from the forward's times), so they are not comparable; by steps and waves, (16, 128) at S1
+    would take two waves, ~0.87 ms. Not re-measured after that change: scripts/tune_launches.py
+    (kernels/NOTES.md, eleventh session).
     """
     block_v, threads = STATE_LAUNCHES[0]
-    if V % block_v == 0 and (V // block_v) * N * H * 4 >= sms:
+    if V % block_v == 0 and (V // block_v) * N * H * 4 > sms:
         return block_v, threads
     return STATE_LAUNCHES[-1]

@@ -191,6 +191,7 @@ def _state_output_regs_func(H, K, V, C, dtype, f32, num_stages, with_h0, store_h
                 T.wgmma_gemm(v_f, kd_s, S_f)
                 T.wgmma_gemm(s_f, qg_s, o_f, transpose_B=True, clear_accum=True)
                 T.gemm(v_f, aqk_s, o_f, transpose_B=True)
+                T.warpgroup_fence_operand(S_f, num_regs=K * BV // 128)  # S^T read only after the wait
                 if eos < bos:  # never true: Kd's and Qg's last reads after the wait, so that TileLang
                     # hands them back to the TMA producer only once the MMAs have read them
                     O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0]
@@ -221,10 +222,8 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form
-            (_state_output_regs_func); every other launch the form with S and V' in shared memory
-            (one block of 64 columns per (head, sequence) walked 1.48 us per chunk at T=32768,
-            H=32 on an H200, 0.76 ms; the shared-operand (32, 256) launch 0.97 ms on twice the
-            blocks, (64, 128) 2.10 ms).
+            (_state_output_regs_func: 1.43-1.48 us a chunk step at T=32768, H=32 on an H200, 0.73-0.76
+            ms for the pass); every other launch the form with S and V' in shared memory.
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
