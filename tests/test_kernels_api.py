@@ -41,6 +41,18 @@ def test_validation_messages_show_shapes():
         kernels.chunk_kda_summary(k3, v3, g3, b3)
 
 
+def test_too_many_sequences_is_an_error():
+    """The state passes launch one block row per sequence (CUDA grid z <= 65535): more sequences in
+    one call is a clear error, not a failed launch."""
+    q, k, v, g, beta = _inputs(T=64)
+    cu = torch.zeros(kernels.MAX_GRID_YZ + 2, dtype=torch.int32)
+    cu[-1] = 64  # 65535 empty sequences, then one of 64 tokens
+    with pytest.raises(ValueError, match="65536 sequences"):
+        kernels.chunk_kda_fwd(q, k, v, g, beta, scale=0.1, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="65536 sequences"):
+        kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=0.1, cu_seqlens=cu)
+
+
 def test_is_supported_routes_cpu_and_odd_head_dims():
     ok, why = kernels.is_supported(*_inputs())
     assert not ok and why  # CPU tensors (or no tilelang): never claimed

@@ -36,13 +36,20 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+#: CUDA's limit on a grid's y and z extents: the state passes launch one block row per head (y) and
+#: per sequence (z), so a call covers at most this many heads and sequences (batch rows or packed
+#: sequences).
+MAX_GRID_YZ = 65535
+
+
 def is_supported(q, k, v, g, beta, cu_seqlens=None):
     """Whether the TileLang kernels cover these inputs.
 
     Returns:
         (True, "") or (False, reason). Covered: CUDA tensors on a Hopper GPU (sm_90), q/k/v in
-        bf16 or fp16 with K == V in {64, 128} (K != V is not tested, so not claimed), g fp32, beta fp32 or q's dtype, B == 1 when
-        cu_seqlens is given, tilelang importable.
+        bf16 or fp16 with K == V in {64, 128} (K != V is not tested, so not claimed), g fp32, beta
+        fp32 or q's dtype, B == 1 when cu_seqlens is given, at most MAX_GRID_YZ heads and
+        sequences, tilelang importable.
     """
     try:
         import tilelang  # noqa: F401
@@ -64,6 +71,9 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
                        f"{SUPPORTED_HEAD_DIMS}")
     if cu_seqlens is not None and q.shape[0] != 1:
         return False, f"cu_seqlens needs B == 1, got q {tuple(q.shape)}"
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if n > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+        return False, f"{n} sequences and {q.shape[2]} heads: the state passes take at most {MAX_GRID_YZ} of each"
     return True, ""
 
 
@@ -99,6 +109,10 @@ def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if N > MAX_GRID_YZ or H > MAX_GRID_YZ:
+        raise ValueError(f"{N} sequences and H={H} heads: the TileLang kernels take at most {MAX_GRID_YZ} of each "
+                         f"(CUDA's grid limit); split the batch or the packed sequences into several calls")
     return B, T, H, K, V
 
 
@@ -137,8 +151,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Returns:
         o [B, T, H, V] in q's dtype, and final_state [N, H, K, V] fp32 or None.
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes), or
-        a ``prepared`` made for other shapes, scale, chunk size or cu_seqlens.
+        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes), more
+        than MAX_GRID_YZ sequences or heads, or a ``prepared`` made for other shapes, scale, chunk
+        size or cu_seqlens.
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
         fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
@@ -375,7 +390,8 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     Returns:
         (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch.
+        ValueError on a shape, dtype, contiguity or option mismatch, or more than MAX_GRID_YZ
+        batch rows or heads.
     Numerics: cumsum, exponentials and the triangular solve in fp32 on CUDA cores; every GEMM is a
         3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (measured relative RMS vs
         fp64 over 1000 tokens: M 1.8e-5, S_tilde 1.4e-6).
