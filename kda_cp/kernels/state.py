@@ -11,8 +11,8 @@ chunk-local tensors from intra.py:
 The output stage of DESIGN.md §2 is fused here: O needs the same S and V' that the state pass
 already holds, so fusing saves writing and re-reading the per-chunk states and V'. Two forms: 64
 columns on one warpgroup carry S^T and compute the transposed products, so that S^T and V'^T are
-register A operands of the MMAs (_state_output_regs_func); narrower blocks keep S and V' in shared
-memory as B operands (_state_output_func). _common.state_launch picks one.
+register A operands of the MMAs; narrower blocks keep S and V' in shared memory as B operands
+(_state_output_func). _common.state_launch picks one.
 
 Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
@@ -36,11 +36,28 @@ from ._common import check_state_launch, compile_kernel, tf32_hi, tl_dtype
 
 
 def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, with_h0, store_ht):
+    """The state + output pass in one of two forms. (block_v, threads) = (64, 128), the register-
+    operand form: one warpgroup carries S^T (64 x K, fp32) and computes V'^T = U^T - S^T W^T,
+    O^T = S^T Qg^T + V'^T Aqk^T and S^T <- S^T Diag(eC) + V'^T Kd, so S^T and V'^T (rounded to the
+    input dtype) are the A operands of register-sourced wgmma and never go through shared memory.
+    Any other launch, the shared-operand form: S and V' rounded into shared memory as B operands of
+    V' = U - W S, O = Qg S + Aqk V', S <- Diag(eC) S + Kd^T V'. The same products and roundings in
+    both (outputs bitwise equal on an H200)."""
     Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
     N = T.dynamic("N")
     BV = block_v
+    regs = (block_v, threads) == (64, 128)
+
+    @T.macro
+    def load_chunk(W, U, Qg, Kd, Aqk, Ec, ci, ih, iv, w_s, u_s, qg_s, kd_s, aqk_s, ec_s):
+        T.copy(W[ci, ih, :, :], w_s)
+        T.copy(U[ci, ih, :, iv * BV : (iv + 1) * BV], u_s)
+        T.copy(Qg[ci, ih, :, :], qg_s)
+        T.copy(Kd[ci, ih, :, :], kd_s)
+        T.copy(Aqk[ci, ih, :, :], aqk_s)
+        T.copy(Ec[ci, ih, :], ec_s)
 
     @T.prim_func
     def kda_state_output_fwd(
@@ -68,142 +85,90 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
             aqk_s = T.alloc_shared([C, C], dtype)
             u_s = T.alloc_shared([C, BV], dtype)
             ec_s = T.alloc_shared([K], f32)
-            S_s = T.alloc_shared([K, BV], dtype)
-            vn_s = T.alloc_shared([C, BV], dtype)
-            S_f = T.alloc_fragment([K, BV], f32)
-            vn_f = T.alloc_fragment([C, BV], f32)
-            o_f = T.alloc_fragment([C, BV], f32)
+            if regs:
+                o_s = T.alloc_shared([C, BV], dtype)  # O^T transposed back, for 16-byte row stores
+                S_f = T.alloc_fragment([BV, K], f32)  # S^T
+                s_f = T.alloc_fragment([BV, K], dtype)
+                vn_f = T.alloc_fragment([BV, C], f32)  # V'^T
+                v_f = T.alloc_fragment([BV, C], dtype)
+                o_f = T.alloc_fragment([BV, C], f32)  # O^T
+                # U and O are read / written transposed: a thread's pairs sit in rows 2 apart, which
+                # the swizzle spreads over the banks
+                T.annotate_layout({u_s: tilelang.layout.make_swizzled_layout(u_s),
+                                   o_s: tilelang.layout.make_swizzled_layout(o_s)})
 
-            if with_h0:
-                T.copy(H0[n, ih, :, iv * BV : (iv + 1) * BV], S_f)
+                for j, d in T.Parallel(BV, K):
+                    if with_h0:
+                        S_f[j, d] = H0[n, ih, d, iv * BV + j]
+                    else:
+                        S_f[j, d] = T.float32(0)
+
+                for c in T.Pipelined(nc, num_stages=num_stages):
+                    load_chunk(W, U, Qg, Kd, Aqk, Ec, c0 + c, ih, iv, w_s, u_s, qg_s, kd_s, aqk_s, ec_s)
+                    for j, d in T.Parallel(BV, K):
+                        s_f[j, d] = T.cast(S_f[j, d], dtype)
+                    T.gemm(s_f, w_s, vn_f, transpose_B=True, clear_accum=True)  # S^T W^T
+                    for j, i in T.Parallel(BV, C):
+                        v_f[j, i] = T.cast(T.cast(u_s[i, j], f32) - vn_f[j, i], dtype)
+                    # the next chunk's S^T and this chunk's O^T: issued together, one wait (the
+                    # last, synchronous MMA waits for all)
+                    for j, d in T.Parallel(BV, K):
+                        S_f[j, d] = S_f[j, d] * ec_s[d]
+                    T.wgmma_gemm(v_f, kd_s, S_f)
+                    T.wgmma_gemm(s_f, qg_s, o_f, transpose_B=True, clear_accum=True)
+                    T.gemm(v_f, aqk_s, o_f, transpose_B=True)
+                    T.warpgroup_fence_operand(S_f, num_regs=K * BV // 128)  # S^T read only after the wait
+                    if eos < bos:  # never true: Kd's and Qg's last reads after the wait, so that
+                        # TileLang hands them back to the TMA producer only once the MMAs have read them
+                        O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0]
+                    for j, i in T.Parallel(BV, C):
+                        o_s[i, j] = T.cast(o_f[j, i], dtype)
+                    for i, j in T.Parallel(C, BV):
+                        if bos + c * C + i < eos:
+                            O[bos + c * C + i, ih, iv * BV + j] = o_s[i, j]
+
+                if store_ht:
+                    for j, d in T.Parallel(BV, K):
+                        HT[n, ih, d, iv * BV + j] = S_f[j, d]
             else:
-                T.clear(S_f)
+                S_s = T.alloc_shared([K, BV], dtype)
+                vn_s = T.alloc_shared([C, BV], dtype)
+                S_f = T.alloc_fragment([K, BV], f32)
+                vn_f = T.alloc_fragment([C, BV], f32)
+                o_f = T.alloc_fragment([C, BV], f32)
 
-            for c in T.Pipelined(nc, num_stages=num_stages):
-                ci = c0 + c
-                T.copy(W[ci, ih, :, :], w_s)
-                T.copy(U[ci, ih, :, iv * BV : (iv + 1) * BV], u_s)
-                T.copy(Qg[ci, ih, :, :], qg_s)
-                T.copy(Kd[ci, ih, :, :], kd_s)
-                T.copy(Aqk[ci, ih, :, :], aqk_s)
-                T.copy(Ec[ci, ih, :], ec_s)
-                T.copy(S_f, S_s)
-                # V' = U - W S
-                T.gemm(w_s, S_s, vn_f, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = T.cast(u_s[i, j], f32) - vn_f[i, j]
-                T.copy(vn_f, vn_s)
-                # S <- Diag(eC) S + Kd^T V' (the next chunk's chain) and O = Qg S + Aqk V' (S_s still
-                # holds the chunk's S): independent MMAs issued back to back, one wait
-                for d, j in T.Parallel(K, BV):
-                    S_f[d, j] = S_f[d, j] * ec_s[d]
-                T.wgmma_gemm(kd_s, vn_s, S_f, transpose_A=True)
-                T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
-                T.wgmma_gemm(aqk_s, vn_s, o_f)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(S_f, num_regs=K * BV // threads)  # reads of the accumulators
-                T.warpgroup_fence_operand(o_f, num_regs=C * BV // threads)  # stay after the wait
-                if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so that
-                    # TileLang hands them back to the TMA producer only once the MMAs have read them
-                    O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
-                for i, j in T.Parallel(C, BV):
-                    if bos + c * C + i < eos:
-                        O[bos + c * C + i, ih, iv * BV + j] = T.cast(o_f[i, j], dtype)
-
-            if store_ht:
-                T.copy(S_f, HT[n, ih, :, iv * BV : (iv + 1) * BV])
-
-    return kda_state_output_fwd
-
-
-def _state_output_regs_func(H, K, V, C, dtype, f32, num_stages, with_h0, store_ht):
-    """The state + output pass with 64 value columns on one warpgroup, transposed: the block carries
-    S^T (64 x K, fp32) and computes V'^T = U^T - S^T W^T, O^T = S^T Qg^T + V'^T Aqk^T and
-    S^T <- S^T Diag(eC) + V'^T Kd, so S^T and V'^T (rounded to the input dtype) are the A operands
-    of register-sourced wgmma and never go through shared memory. The same products and roundings
-    as _state_output_func (outputs bitwise equal on an H200)."""
-    Hn = T.dynamic("H") if H is None else H
-    TT = T.dynamic("TT")
-    NC = T.dynamic("NC")
-    N = T.dynamic("N")
-    BV = 64
-
-    @T.prim_func
-    def kda_state_output_fwd(
-        W: T.Tensor([NC, Hn, C, K], dtype),
-        U: T.Tensor([NC, Hn, C, V], dtype),
-        Qg: T.Tensor([NC, Hn, C, K], dtype),
-        Kd: T.Tensor([NC, Hn, C, K], dtype),
-        Aqk: T.Tensor([NC, Hn, C, C], dtype),
-        Ec: T.Tensor([NC, Hn, K], f32),
-        Seq: T.Tensor([N, 4], "int32"),
-        H0: T.Tensor([N, Hn, K, V], f32),
-        O: T.Tensor([TT, Hn, V], dtype),
-        HT: T.Tensor([N, Hn, K, V], f32),
-    ):
-        # a grid axis per index (no division by the runtime head count in the output's addresses)
-        with T.Kernel(V // BV, Hn, N, threads=128) as (iv, ih, n):
-            c0 = Seq[n, 0]
-            nc = Seq[n, 1]
-            bos = Seq[n, 2]
-            eos = Seq[n, 3]
-
-            w_s = T.alloc_shared([C, K], dtype)
-            qg_s = T.alloc_shared([C, K], dtype)
-            kd_s = T.alloc_shared([C, K], dtype)
-            aqk_s = T.alloc_shared([C, C], dtype)
-            u_s = T.alloc_shared([C, BV], dtype)
-            ec_s = T.alloc_shared([K], f32)
-            o_s = T.alloc_shared([C, BV], dtype)  # O^T transposed back, for 16-byte row stores
-            S_f = T.alloc_fragment([BV, K], f32)  # S^T
-            s_f = T.alloc_fragment([BV, K], dtype)
-            vn_f = T.alloc_fragment([BV, C], f32)  # V'^T
-            v_f = T.alloc_fragment([BV, C], dtype)
-            o_f = T.alloc_fragment([BV, C], f32)  # O^T
-            # U and O are read / written transposed: a thread's pairs sit in rows 2 apart, which the
-            # swizzle spreads over the banks
-            T.annotate_layout({u_s: tilelang.layout.make_swizzled_layout(u_s),
-                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
-
-            for j, d in T.Parallel(BV, K):
                 if with_h0:
-                    S_f[j, d] = H0[n, ih, d, iv * BV + j]
+                    T.copy(H0[n, ih, :, iv * BV : (iv + 1) * BV], S_f)
                 else:
-                    S_f[j, d] = T.float32(0)
+                    T.clear(S_f)
 
-            for c in T.Pipelined(nc, num_stages=num_stages):
-                ci = c0 + c
-                T.copy(W[ci, ih, :, :], w_s)
-                T.copy(U[ci, ih, :, iv * BV : (iv + 1) * BV], u_s)
-                T.copy(Qg[ci, ih, :, :], qg_s)
-                T.copy(Kd[ci, ih, :, :], kd_s)
-                T.copy(Aqk[ci, ih, :, :], aqk_s)
-                T.copy(Ec[ci, ih, :], ec_s)
-                for j, d in T.Parallel(BV, K):
-                    s_f[j, d] = T.cast(S_f[j, d], dtype)
-                T.gemm(s_f, w_s, vn_f, transpose_B=True, clear_accum=True)  # S^T W^T
-                for j, i in T.Parallel(BV, C):
-                    v_f[j, i] = T.cast(T.cast(u_s[i, j], f32) - vn_f[j, i], dtype)
-                # the next chunk's S^T and this chunk's O^T: issued together, one wait (the last,
-                # synchronous MMA waits for all)
-                for j, d in T.Parallel(BV, K):
-                    S_f[j, d] = S_f[j, d] * ec_s[d]
-                T.wgmma_gemm(v_f, kd_s, S_f)
-                T.wgmma_gemm(s_f, qg_s, o_f, transpose_B=True, clear_accum=True)
-                T.gemm(v_f, aqk_s, o_f, transpose_B=True)
-                T.warpgroup_fence_operand(S_f, num_regs=K * BV // 128)  # S^T read only after the wait
-                if eos < bos:  # never true: Kd's and Qg's last reads after the wait, so that TileLang
-                    # hands them back to the TMA producer only once the MMAs have read them
-                    O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0]
-                for j, i in T.Parallel(BV, C):
-                    o_s[i, j] = T.cast(o_f[j, i], dtype)
-                for i, j in T.Parallel(C, BV):
-                    if bos + c * C + i < eos:
-                        O[bos + c * C + i, ih, iv * BV + j] = o_s[i, j]
+                for c in T.Pipelined(nc, num_stages=num_stages):
+                    load_chunk(W, U, Qg, Kd, Aqk, Ec, c0 + c, ih, iv, w_s, u_s, qg_s, kd_s, aqk_s, ec_s)
+                    T.copy(S_f, S_s)
+                    # V' = U - W S
+                    T.gemm(w_s, S_s, vn_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        vn_f[i, j] = T.cast(u_s[i, j], f32) - vn_f[i, j]
+                    T.copy(vn_f, vn_s)
+                    # S <- Diag(eC) S + Kd^T V' (the next chunk's chain) and O = Qg S + Aqk V' (S_s
+                    # still holds the chunk's S): independent MMAs issued back to back, one wait
+                    for d, j in T.Parallel(K, BV):
+                        S_f[d, j] = S_f[d, j] * ec_s[d]
+                    T.wgmma_gemm(kd_s, vn_s, S_f, transpose_A=True)
+                    T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
+                    T.wgmma_gemm(aqk_s, vn_s, o_f)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(S_f, num_regs=K * BV // threads)  # reads of the accumulators
+                    T.warpgroup_fence_operand(o_f, num_regs=C * BV // threads)  # stay after the wait
+                    if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so
+                        # that TileLang hands them back to the TMA producer only once the MMAs read them
+                        O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
+                    for i, j in T.Parallel(C, BV):
+                        if bos + c * C + i < eos:
+                            O[bos + c * C + i, ih, iv * BV + j] = T.cast(o_f[i, j], dtype)
 
-            if store_ht:
-                for j, d in T.Parallel(BV, K):
-                    HT[n, ih, d, iv * BV + j] = S_f[j, d]
+                if store_ht:
+                    T.copy(S_f, HT[n, ih, :, iv * BV : (iv + 1) * BV])
 
     return kda_state_output_fwd
 
@@ -222,7 +187,7 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form
-            (_state_output_regs_func: 1.43-1.48 us a chunk step at T=32768, H=32 on an H200, 0.73-0.76
+            (1.43-1.48 us a chunk step at T=32768, H=32 on an H200, 0.73-0.76
             ms for the pass); every other launch the form with S and V' in shared memory.
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
@@ -235,12 +200,8 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
     if V % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} must be a multiple of block_v={block_v}; accum_dtype float32")
     check_state_launch(block_v, threads)
-    if (block_v, threads) == (64, 128):
-        func = _state_output_regs_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, num_stages,
-                                       bool(with_h0), bool(store_ht))
-    else:
-        func = _state_output_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
-                                  num_stages, bool(with_h0), bool(store_ht))
+    func = _state_output_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
+                              num_stages, bool(with_h0), bool(store_ht))
     return compile_kernel(func, name="kda_state_output_fwd")
 
 
