@@ -715,6 +715,8 @@ def main(cfg: DictConfig) -> None:
                 f"validation loss {summary['val_loss']:.4f} nats/byte | "
                 f"corpus unigram entropy {summary['unigram_entropy']:.4f} nats/byte"
             )
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down while another's collectives are still in flight
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -30,6 +30,11 @@ def main() -> None:
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
                 cfg = compose(config_name="config", overrides=overrides)
             mod.train(cfg)
+        if dist.is_initialized():
+            # every rank's outstanding collectives (gloo runs them in order) done before teardown:
+            # a rank that tore down while another's asynchronous work was in flight aborted once
+            # ("terminate called without an active exception") on a loaded CPU machine
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
