@@ -35,31 +35,34 @@ import tilelang.language as T
 from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
 
 
-def _solve_macros(C, K, f32, threads):
-    """TileLang macros shared by both chunk-local kernels (fp32, CUDA cores).
-
-    The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
-    the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.3 ms as loops,
-    1.72 ms as loops with 256 threads).
-
-    load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, every thread
-        scanning parts of 16 rows of a key channel in registers (_common.row_scan_macro); rows past
-        eos count as g = 0.
-    solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C).
-        Diagonal 16 x 16 blocks by forward substitution, one thread per column, the column held in
-        registers; then block rows I >= 1: Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I])
-        (_common.block_rows_macro).
-    """
-    BS = SUB
-    NSUB = C // BS
-    R16 = tuple(range(BS))
-    block_rows = block_rows_macro(C, threads)
+def _load_cumsum_macro(C, K, threads):
+    """load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, every thread
+    scanning parts of 16 rows of a key channel in registers (_common.row_scan_macro); rows past eos
+    count as g = 0. The scan stays a loop in the generated code (see _solve_macro)."""
     row_scan = row_scan_macro(C, K, threads)
 
     @T.macro
     def load_cumsum(G, bos, eos, ih, gam_s):
         T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan below
         row_scan(gam_s, bos, eos)
+
+    return load_cumsum
+
+
+def _solve_macro(C, f32, threads):
+    """solve(L_s, Ti_s, Td_s, tmp_s): Ti_s = (I + L)^-1 for a strictly lower-triangular L_s (C x C),
+    fp32 on CUDA cores, shared by both chunk-local kernels. Diagonal 16 x 16 blocks by forward
+    substitution, one thread per column, the column held in registers; then block rows I >= 1:
+    Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]) (_common.block_rows_macro).
+
+    The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
+    the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.3 ms as loops,
+    1.72 ms as loops with 256 threads).
+    """
+    BS = SUB
+    NSUB = C // BS
+    R16 = tuple(range(BS))
+    block_rows = block_rows_macro(C, threads)
 
     @T.macro
     def solve(L_s, Ti_s, Td_s, tmp_s):
@@ -77,7 +80,7 @@ def _solve_macros(C, K, f32, threads):
                 Td_s[I, r, c] = x[r]
         block_rows(L_s, Ti_s, Td_s, tmp_s)  # L_s is already Diag(beta) StrictTril(Akk)
 
-    return load_cumsum, solve
+    return solve
 
 
 def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
@@ -87,7 +90,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
-    _, solve = _solve_macros(C, K, f32, threads)
+    solve = _solve_macro(C, f32, threads)
     row_scan = row_scan_macro(C, K, threads)
     VTPR = threads // C  # threads per row of v
     VPT = V // VTPR  # v values per thread
@@ -218,7 +221,8 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
     KMR = C
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
-    load_cumsum, solve = _solve_macros(C, K, f32, threads)
+    load_cumsum = _load_cumsum_macro(C, K, threads)
+    solve = _solve_macro(C, f32, threads)
 
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -262,7 +266,7 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
 
             # ---- L = Diag(beta) StrictTril(Akk), one 3xTF32 GEMM triple per row block ----
-            for I in T.serial(NSUB):  # a loop, not unrolled (see _solve_macros)
+            for I in T.serial(NSUB):  # a loop, not unrolled (see _solve_macro)
                 for r, d in T.Parallel(BS, K):
                     ref = sub_chunk_ref(gam_s, I, d)
                     x = T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E)
@@ -338,7 +342,7 @@ def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32"
 
 
 def _decay_func(H, K, C, dtype, f32, scale):
-    load_cumsum, _ = _solve_macros(C, K, f32, K)  # the kernel's K threads
+    load_cumsum = _load_cumsum_macro(C, K, K)  # the kernel's K threads
     LOG2E = 1.4426950408889634
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
