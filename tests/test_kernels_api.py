@@ -72,20 +72,23 @@ def test_chunk_tables_fixed_and_packed():
 
 
 def test_state_launch_fills_the_gpu():
-    """The launch picked for the benchmark shapes on an H200 (132 SMs), and the rule's boundary:
-    (64, 128) once (16, 128)'s four times as many blocks would take a second wave (its docstring).
-    Needs no tilelang."""
-    from kda_cp.kernels._common import STATE_LAUNCHES, state_launch
+    """The launch picked for the benchmark shapes on an H200 (132 SMs), the ones measured fastest
+    there (kernels/NOTES.md, twelfth session), and the rule's boundaries: waves x measured step
+    time (state_launch's docstring). Needs no tilelang."""
+    from kda_cp.kernels._common import STATE_LAUNCHES, STATE_STEP_US, state_launch
 
-    assert state_launch(132, 1, 32, 128) == (64, 128)  # S1: 64 blocks of the register-operand form
-    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2
-    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 32 blocks would leave 3/4 of the SMs idle
+    assert state_launch(132, 1, 32, 128) == (32, 128)  # S1: 128 blocks, one wave (0.61 vs 0.71 / 0.87 ms)
+    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2: 4 waves of the widest (0.42 vs 0.64 / 0.90)
+    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 128 blocks of 16 columns (1.73 vs 2.39 / 2.78)
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
-    assert state_launch(132, 1, 33, 128) == (64, 128)  # 66 blocks: half the SMs
-    assert state_launch(132, 1, 33, 64) == (16, 128)  # 4 x 33 blocks of (16, 128) fit one wave
-    assert state_launch(132, 1, 34, 64) == (64, 128)  # 4 x 34 do not
-    assert state_launch(78, 1, 16, 128) == (64, 128)  # a smaller GPU fills with fewer blocks
-    assert STATE_LAUNCHES == ((64, 128), (16, 128))  # the fallback: the most blocks
+    assert state_launch(132, 1, 33, 128) == (32, 128)  # 132 blocks of 32 columns: exactly one wave
+    assert state_launch(132, 1, 34, 128) == (64, 128)  # 136: a second wave of 32 columns costs more
+    assert state_launch(132, 1, 33, 64) == (16, 128)  # 132 blocks of 16 columns: one wave
+    assert state_launch(132, 1, 34, 64) == (32, 128)  # 136 of 16 would take two
+    assert state_launch(78, 1, 16, 128) == (32, 128)  # a smaller GPU: 64 blocks of 32 in one wave
+    assert set(STATE_STEP_US) == set(STATE_LAUNCHES)
+    assert all(state_launch(132, n, h, v) in STATE_LAUNCHES
+               for n in (1, 2, 7, 64) for h in (1, 3, 16, 40) for v in (64, 128))
 
 
 def test_miscompiled_state_launch_is_refused():

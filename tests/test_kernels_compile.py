@@ -44,7 +44,8 @@ def test_decay_kernel_compiles(K, dtype):
 @pytest.mark.parametrize("K,dtype,with_h0,store_ht,launch", [
     (128, "bfloat16", True, True, (64, 128)), (128, "bfloat16", False, False, (16, 128)),
     (128, "bfloat16", True, False, (16, 128)), (64, "float16", True, False, (64, 128)),
-    (64, "bfloat16", False, True, (64, 128)), (128, "float16", False, True, (32, 256))])
+    (64, "bfloat16", False, True, (64, 128)), (128, "float16", False, True, (32, 256)),
+    (128, "bfloat16", True, True, (32, 128)), (64, "float16", False, False, (32, 128))])
 def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
     """Every offered launch (and the shared-operand (32, 256), which the builder still accepts).
     (64, 128) is the register-operand form: S^T and V'^T are the A operands of register-sourced

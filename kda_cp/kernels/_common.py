@@ -218,9 +218,15 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
 
 
 #: (block_v, threads) launches of the state + output pass, widest first; state_launch picks one.
-#: (64, 128) is the register-operand form (state.py). Not (64, 256): tilelang 0.1.15 miscompiles it
-#: (see check_state_launch).
-STATE_LAUNCHES = ((64, 128), (16, 128))
+#: (64, 128) is the register-operand form (state.py), the others keep S and V' in shared memory.
+#: Not (64, 256): tilelang 0.1.15 miscompiles it (see check_state_launch).
+STATE_LAUNCHES = ((64, 128), (32, 128), (16, 128))
+
+#: Measured time of one chunk step of each launch (microseconds, H200, K = V = 128, bf16, one block
+#: per SM): the pass alone, `python scripts/tune_launches.py` (twelfth session,
+#: docs/results/h200_tune_launches.json): (64, 128) 0.71 ms / 512 steps at S1, (32, 128) 0.61 ms /
+#: 512 at S1 and 2.39 ms / 2048 at S3, (16, 128) 1.73 ms / 2048 at S3.
+STATE_STEP_US = {(64, 128): 1.40, (32, 128): 1.19, (16, 128): 0.84}
 
 
 def check_state_launch(block_v: int, threads: int) -> None:
@@ -248,22 +254,21 @@ def check_state_launch(block_v: int, threads: int) -> None:
 def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     """(block_v, threads) for the state + output pass of N sequences and H heads on `sms` SMs.
 
-    Each block walks all chunks of its sequence and both offered launches run one block per SM
-    (240 registers a thread), so the pass takes about (waves) x (chunks) x (time per chunk step).
-    The register-operand form (64, 128) has the fewest blocks, B = V / 64 * N * H, and the shortest
-    step; (16, 128) has 4 B blocks. The rule: (64, 128) when (16, 128)'s blocks would not fit in
-    one wave (4 B > sms), else (16, 128). H200 (132 SMs), K = V = 128, bf16, state pass alone:
-    T = 32768, N = 1, H = 32 (B = 64): (64, 128) 0.73-0.76 ms (1.43-1.48 us a step, one wave);
-    T = 4096, N = 8, H = 32: (64, 128) 0.43 ms; T = 131072, N = 1, H = 16 (B = 32): (64, 128)
-    2.87-2.95 ms, (16, 128) about 1.7 ms (0.85 us a step: the forward's 4.86 ms less the
-    chunk-local kernel's 3.08). The (16, 128) figures at S1 / S2 (1.44 / 1.5 ms) and the dropped
-    (32, 256) launch's (0.97 / 0.98 ms) predate the removal of a division from their addresses
-    (eleventh session), which took (16, 128) at S3 from 1.39 to about 0.85 us a step (inferred
-    from the forward's times), so they are not comparable; by steps and waves, (16, 128) at S1
-    would take two waves, ~0.87 ms. Not re-measured after that change: scripts/tune_launches.py
-    (kernels/NOTES.md, eleventh session).
+    Each block walks all chunks of its sequence in order, and every offered launch runs one block
+    per SM (240 registers a thread), so the pass takes about waves x chunks x (time of one chunk
+    step), waves = ceil(V / block_v * N * H / sms). Wider blocks take longer a step but are fewer.
+    The rule: the launch of STATE_LAUNCHES with the least waves x STATE_STEP_US (the widest on a
+    tie). H200, K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.61 ms against (64, 128) 0.71
+    and (16, 128) 0.87 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.42 ms against 0.64
+    and 0.90; T = 131072, H = 16 (S3): (16, 128), 1.73 ms against 2.39 and 2.78 (kernels/NOTES.md,
+    twelfth session; each a median of 10, three times).
     """
-    block_v, threads = STATE_LAUNCHES[0]
-    if V % block_v == 0 and (V // block_v) * N * H * 4 > sms:
-        return block_v, threads
-    return STATE_LAUNCHES[-1]
+    best = None
+    for launch in STATE_LAUNCHES:
+        block_v = launch[0]
+        if V % block_v:
+            continue
+        cost = -(-(V // block_v) * N * H // sms) * STATE_STEP_US[launch]
+        if best is None or cost < best[0]:
+            best = (cost, launch)
+    return best[1] if best else STATE_LAUNCHES[-1]  # V not a multiple of 16: the builder raises
