@@ -529,7 +529,7 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
     return compile_kernel(_bwd_ut_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads),
-                          name="kda_bwd_ut")
+                          name="kda_bwd_ut", fast_math=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -555,4 +555,4 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
                          f"{chunk_size}, {accum_dtype}, K={K}, threads={threads}, block_k={block_k}")
     return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
                                        block_k),
-                          name="kda_bwd_dk")
+                          name="kda_bwd_dk", fast_math=True)

@@ -390,7 +390,7 @@ def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale)
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
     func = _decay_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale))
-    return compile_kernel(func, name="kda_decay_fwd")
+    return compile_kernel(func, name="kda_decay_fwd", fast_math=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -421,4 +421,4 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
     func = _intra_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads)
-    return compile_kernel(func, name="kda_intra_fwd")
+    return compile_kernel(func, name="kda_intra_fwd", fast_math=True)
