@@ -40,9 +40,10 @@ def compile_kernel(func, *, name: str, fast_math: bool = False):
 
     fast_math: nvcc --use_fast_math (TileLang's tl.enable_fast_math). Taken by the kernels that
     compute an exponential per element (the chunk-local forward, the decayed-q/k kernel, the
-    backward's "ut" and "dk"), which have no division or square root: exp2f becomes one
-    ex2.approx.ftz instead of ex2.approx with a fix-up for results below 2^-126, which flush to zero
-    (values under e^-87 next to terms of order one). H200, S1: chunk-local forward 1.62 -> 1.53 ms,
+    backward's "ut" and "dk"), which have no division, square root or log: exp2f becomes one
+    ex2.approx.ftz instead of ex2.approx with a fix-up for results below 2^-126, and every fp32
+    add, multiply and fma flushes subnormals to zero (-ftz=true): values under e^-87 next to terms
+    of order one. H200, S1: chunk-local forward 1.62 -> 1.53 ms,
     "dk" 2.11 -> 2.02; outputs differ from the exact-denormal build by under 1e-33 relative
     (kernels/NOTES.md, twelfth session).
     """
@@ -268,7 +269,7 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     per SM (240 registers a thread), so the pass takes about waves x chunks x (time of one chunk
     step), waves = ceil(V / block_v * N * H / sms). Wider blocks take longer a step but are fewer.
     The rule: the launch of STATE_LAUNCHES with the least waves x STATE_STEP_US (the widest on a
-    tie). H200, K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.61 ms against (64, 128) 0.71
+    tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200, K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.61 ms against (64, 128) 0.71
     and (16, 128) 0.87 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.42 ms against 0.64
     and 0.90; T = 131072, H = 16 (S3): (16, 128), 1.73 ms against 2.39 and 2.78 (kernels/NOTES.md,
     twelfth session; each a median of 10, three times).
@@ -278,7 +279,7 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
         block_v = launch[0]
         if V % block_v:
             continue
-        cost = -(-(V // block_v) * N * H // sms) * STATE_STEP_US[launch]
+        cost = -(-(V // block_v) * N * H // max(sms, 1)) * STATE_STEP_US[launch]
         if best is None or cost < best[0]:
             best = (cost, launch)
     return best[1] if best else STATE_LAUNCHES[-1]  # V not a multiple of 16: the builder raises
