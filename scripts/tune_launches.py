@@ -9,6 +9,7 @@ be 0 or at the level of fp32 reordering (a launch that computes something else s
 a table and writes JSON.
 
     python scripts/tune_launches.py --out tune_launches.json [--shapes S1 S2 S3] [--repeats 10]
+        [--kernels state+output ...]
 """
 import argparse
 import json
@@ -32,7 +33,7 @@ VARIANTS = {  # the first listed launch is the reference the others are compared
 }
 
 
-def tune_shape(shape, repeats):
+def tune_shape(shape, repeats, kernels=tuple(VARIANTS)):
     sh = SHAPES[shape]
     B, T, H, K, V = (sh[x] for x in "BTHKV")
     C, dt, scale = 64, "bfloat16", K ** -0.5
@@ -80,6 +81,8 @@ def tune_shape(shape, repeats):
 
     rows = []
     for name, variants in VARIANTS.items():
+        if name not in kernels:
+            continue
         ref = None
         for kw in variants:
             fn, out = setup(name, kw)
@@ -101,9 +104,11 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["S1", "S2", "S3"], choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="tune_launches.json")
+    ap.add_argument("--kernels", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="which kernels' launches to time (default: all)")
     a = ap.parse_args()
     print("| shape | kernel | launch | ms (3 medians) | rel. diff to first |\n|---|---|---|---|---|")
-    rows = [row for s in a.shapes for row in tune_shape(s, a.repeats)]
+    rows = [row for s in a.shapes for row in tune_shape(s, a.repeats, a.kernels)]
     json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(a.out, "w"), indent=1)
 
 

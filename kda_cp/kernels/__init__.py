@@ -166,22 +166,24 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     from ._common import state_launch
     from .state import build_state_output_kernel
     dev = q.device
-    o = torch.empty_like(v)
-    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     if T == 0 or N == 0:
+        o = torch.empty_like(v)
+        ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         if ht is not None:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
-    if prepared is None:
-        prepared = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens,
-                                         chunk_size=chunk_size, g_min=g_min)
-    W, U, Qg, Kd, Aqk, Ec, tables = _prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
-                                                      chunk_size, cu_seqlens)
+    if prepared is None:  # the chunk-local kernel first: the GPU starts while the host goes on
+        W, U, Qg, Kd, Aqk, Ec, tables = _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size)
+    else:
+        W, U, Qg, Kd, Aqk, Ec, tables = _prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
+                                                          chunk_size, cu_seqlens)
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     block_v, threads = state_launch(torch.cuda.get_device_properties(dev).multi_processor_count, N, H, V)
     state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
                                       store_ht=output_final_state, block_v=block_v, threads=threads)
-    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)
-    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)
+    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)  # unread
+    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)  # unwritten
     state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
     return o, ht
 
@@ -266,13 +268,21 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
     it once per shard and derives the shard's (M, S~) from it (:func:`chunk_kda_summary_prepared`);
     then ``chunk_kda_fwd(..., prepared=...)`` runs only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
     """
-    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    return PreparedForward(_launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size),
+                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
+
+
+def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size):
+    """Allocate the chunk-local tensors and launch the chunk-local kernel on validated inputs:
+    (W, U, Qg, Kd, Aqk, eC, tables)."""
     from .intra import build_intra_kernel
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     dev = q.device
     C = chunk_size
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
     NC = tables.num_chunks
-    dt = _tl_name(q.dtype)
     qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
     W = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
     U = torch.empty(NC, H, C, V, device=dev, dtype=q.dtype)
@@ -280,10 +290,9 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
     Kd = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
     Aqk = torch.empty(NC, H, C, C, device=dev, dtype=q.dtype)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    intra = build_intra_kernel(None, K, V, C, dt, scale=float(scale))
-    intra(qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
-    return PreparedForward((W, U, Qg, Kd, Aqk, Ec, tables),
-                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
+    build_intra_kernel(None, K, V, C, _tl_name(q.dtype), scale=float(scale))(
+        qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
+    return W, U, Qg, Kd, Aqk, Ec, tables
 
 
 def _summary_pieces(dev, rows, H, K, V, num_chunks):

@@ -234,10 +234,10 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
 STATE_LAUNCHES = ((64, 128), (32, 128), (16, 128))
 
 #: Measured time of one chunk step of each launch (microseconds, H200, K = V = 128, bf16, one block
-#: per SM): the pass alone, `python scripts/tune_launches.py` (twelfth session,
-#: docs/results/h200_tune_launches.json): (64, 128) 0.71 ms / 512 steps at S1, (32, 128) 0.61 ms /
-#: 512 at S1 and 2.39 ms / 2048 at S3, (16, 128) 1.73 ms / 2048 at S3.
-STATE_STEP_US = {(64, 128): 1.40, (32, 128): 1.19, (16, 128): 0.84}
+#: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output` (thirteenth
+#: session, docs/results/h200_tune_launches.json): (64, 128) 0.72 ms / 512 steps at S1, (32, 128)
+#: 0.54 ms / 512 at S1 and 2.07 ms / 2048 at S3, (16, 128) 1.59 ms / 2048 at S3.
+STATE_STEP_US = {(64, 128): 1.40, (32, 128): 1.05, (16, 128): 0.78}
 
 
 def check_state_launch(block_v: int, threads: int) -> None:
@@ -269,10 +269,11 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     per SM (240 registers a thread), so the pass takes about waves x chunks x (time of one chunk
     step), waves = ceil(V / block_v * N * H / sms). Wider blocks take longer a step but are fewer.
     The rule: the launch of STATE_LAUNCHES with the least waves x STATE_STEP_US (the widest on a
-    tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200, K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.61 ms against (64, 128) 0.71
-    and (16, 128) 0.87 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.42 ms against 0.64
-    and 0.90; T = 131072, H = 16 (S3): (16, 128), 1.73 ms against 2.39 and 2.78 (kernels/NOTES.md,
-    twelfth session; each a median of 10, three times).
+    tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200,
+    K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.54 ms against (64, 128) 0.72 and (16, 128)
+    0.81 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.41 ms against 0.55 and 0.84;
+    T = 131072, H = 16 (S3): (16, 128), 1.59 ms against 2.07 and 2.78 (kernels/NOTES.md, thirteenth
+    session; each a median of 10, three times).
     """
     best = None
     for launch in STATE_LAUNCHES:

@@ -161,7 +161,9 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
 
             # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
             # one loop in the generated code (not unrolled: smaller code), each row block over all
-            # C columns of km (zero past j >= BS*(I+1))
+            # C columns of km (zero past j >= BS*(I+1): zeroed once here, never written after)
+            for j, d in T.Parallel(C, K):
+                km_s[j, d] = T.cast(0, op)
             for I in T.serial(NSUB):
                 # the row block's factors, and its rows of Qg and Kd (same q and gamma)
                 for r, d in T.Parallel(BS, K):
@@ -175,12 +177,14 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
                     kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
                     Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
                     Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
-                for j, d in T.Parallel(C, K):
-                    if j < BS * (I + 1):  # a branch, not a select: no exponentials for the zero rows
-                        km_s[j, d] = T.cast(T.cast(k_s[j, d], f32)
-                                            * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E), op)
-                    else:
-                        km_s[j, d] = T.cast(0, op)
+                # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them stay zero from
+                # before the loop, and are neither read nor rewritten (with a masked loop over all C
+                # rows, TileLang loaded k and gamma for the zero rows as well)
+                for J in T.serial(I + 1):
+                    for r, d in T.Parallel(BS, K):
+                        km_s[BS * J + r, d] = T.cast(
+                            T.cast(k_s[BS * J + r, d], f32)
+                            * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[BS * J + r, d]) * LOG2E), op)
                 a_f = T.alloc_fragment([2 * BS, C], f32)  # [Akk; Aqk] rows of block I
                 T.gemm(kqp_s, km_s, a_f, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(2 * BS, C):

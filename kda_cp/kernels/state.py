@@ -133,6 +133,10 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
             else:
                 S_s = T.alloc_shared([K, BV], dtype)
                 vn_s = T.alloc_shared([C, BV], dtype)
+                # O on its way out: rows of 16-byte stores instead of the fragment's 4-byte pieces
+                # (those took a fifth of the pass at S1), swizzled against the fragment's bank conflicts
+                o_s = T.alloc_shared([C, BV], dtype)
+                T.annotate_layout({o_s: tilelang.layout.make_swizzled_layout(o_s)})
                 S_f = T.alloc_fragment([K, BV], f32)
                 vn_f = T.alloc_fragment([C, BV], f32)
                 o_f = T.alloc_fragment([C, BV], f32)
@@ -163,9 +167,10 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
                     if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so
                         # that TileLang hands them back to the TMA producer only once the MMAs read them
                         O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
+                    T.copy(o_f, o_s)
                     for i, j in T.Parallel(C, BV):
                         if bos + c * C + i < eos:
-                            O[bos + c * C + i, ih, iv * BV + j] = T.cast(o_f[i, j], dtype)
+                            O[bos + c * C + i, ih, iv * BV + j] = o_s[i, j]
 
                 if store_ht:
                     T.copy(S_f, HT[n, ih, :, iv * BV : (iv + 1) * BV])
@@ -175,7 +180,7 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, with_h0,
-                              store_ht, block_k=None, block_v=32, threads=128, num_stages=2):
+                              store_ht, block_k=None, block_v=32, threads=128, num_stages=None):
     """Compile the fused state + output kernel for one static configuration (T, N dynamic).
 
     Args:
@@ -188,8 +193,10 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form;
             every other launch the form with S and V' in shared memory. One chunk step on an
-            H200 (K = V = 128, bf16): (64, 128) 1.40 us, (32, 128) 1.19, (16, 128) 0.84
-            (_common.STATE_STEP_US).
+            H200 (K = V = 128, bf16): (64, 128) 1.40 us, (32, 128) 1.05, (16, 128) 0.78
+            (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
+            None takes 3 for the shared-operand form (S1 0.62 -> 0.54 ms with O staged in shared
+            memory, S3 1.78 -> 1.58 at (16, 128)) and 2 for the register-operand form (3: within 2%).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
@@ -201,6 +208,8 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
     if V % block_v or accum_dtype != "float32":
         raise ValueError(f"V={V} must be a multiple of block_v={block_v}; accum_dtype float32")
     check_state_launch(block_v, threads)
+    if num_stages is None:
+        num_stages = 2 if (block_v, threads) == (64, 128) else 3
     func = _state_output_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, block_v, threads,
                               num_stages, bool(with_h0), bool(store_ht))
     return compile_kernel(func, name="kda_state_output_fwd")
