@@ -78,7 +78,7 @@ def test_state_launch_fills_the_gpu():
     from kda_cp.kernels._common import STATE_LAUNCHES, STATE_STEP_US, state_launch
 
     assert state_launch(132, 1, 32, 128) == (32, 128)  # S1: 128 blocks, one wave (0.54 vs 0.72 / 0.81 ms)
-    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2: 4 waves of the widest (0.41 vs 0.55 / 0.84)
+    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2: 4 waves of the widest (0.41 vs 0.55 / 0.85)
     assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 128 blocks of 16 columns (1.59 vs 2.07 / 2.78)
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
     assert state_launch(132, 1, 33, 128) == (32, 128)  # 132 blocks of 32 columns: exactly one wave

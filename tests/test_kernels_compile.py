@@ -74,7 +74,8 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
     (64, 128) is the register-operand form: S^T and V'^T are the A operands of register-sourced
     MMAs and never stored to shared memory, which holds only the TMA-fed tiles and O^T on its way
     out; no division by the runtime head count (a grid axis per index: the output's per-element
-    addresses had one, which cost a third of the pass)."""
+    addresses had one, which cost a third of the pass); O stored from a shared tile in 16-byte
+    rows, and the shared-operand form pipelined three chunks deep."""
     assert launch in STATE_LAUNCHES or launch == (32, 256)
     block_v, threads = launch
     src = build_state_output_kernel(None, K, K, 64, dtype, with_h0=with_h0, store_ht=store_ht, block_v=block_v,
@@ -83,11 +84,16 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
     # a grid axis per index: no 64-bit division by the runtime head count in the per-element
     # addresses (in the register-operand form's output stores they cost a third of the pass)
     assert "((int64_t)H)" not in src.replace("* ((int64_t)H)", "")
+    shared = set(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src))
+    # O leaves through a shared tile in 16-byte rows (from the fragment: 4-byte pieces, a fifth of
+    # the shared-operand pass at S1 on an H200)
+    assert "o_s" in shared and "*(uint4*)(O + " in src
     if launch == (64, 128):
         assert src.count("tl::wgmma_rs<") == 4 and "tl::wgmma_ss<" not in src
-        shared = set(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src))
         assert shared == {"w_s", "u_s", "qg_s", "kd_s", "aqk_s", "ec_s", "o_s"}
         assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
+    else:  # three chunks of the TMA-fed tiles in flight (two: the next chunk's loads were late)
+        assert "c_1 % 3" in src and "c_1 & 1" not in src
 
 
 @pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128))])

@@ -182,8 +182,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     block_v, threads = state_launch(torch.cuda.get_device_properties(dev).multi_processor_count, N, H, V)
     state = build_state_output_kernel(None, K, V, chunk_size, _tl_name(q.dtype), with_h0=initial_state is not None,
                                       store_ht=output_final_state, block_v=block_v, threads=threads)
-    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev)  # unread
-    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev)  # unwritten
+    h0 = initial_state if initial_state is not None else torch.empty(N, H, K, V, device=dev, dtype=torch.float32)  # unread
+    ht_arg = ht if ht is not None else torch.empty(N, H, K, V, device=dev, dtype=torch.float32)  # unwritten
     state(W, U, Qg, Kd, Aqk, Ec, tables.seq_table, h0, o.view(B * T, H, V), ht_arg)
     return o, ht
 

@@ -271,9 +271,9 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     The rule: the launch of STATE_LAUNCHES with the least waves x STATE_STEP_US (the widest on a
     tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200,
     K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.54 ms against (64, 128) 0.72 and (16, 128)
-    0.81 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.41 ms against 0.55 and 0.84;
+    0.81 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.41 ms against 0.55 and 0.85;
     T = 131072, H = 16 (S3): (16, 128), 1.59 ms against 2.07 and 2.78 (kernels/NOTES.md, thirteenth
-    session; each a median of 10, three times).
+    session, and docs/results/h200_tune_launches.json; each a median of 10, three times).
     """
     best = None
     for launch in STATE_LAUNCHES:

@@ -161,7 +161,8 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
 
             # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
             # one loop in the generated code (not unrolled: smaller code), each row block over all
-            # C columns of km (zero past j >= BS*(I+1): zeroed once here, never written after)
+            # C columns of km, zero past j >= BS*(I+1): zeroed once here, and no earlier row block
+            # writes those rows (their columns of the MMA are discarded by the masks below anyway)
             for j, d in T.Parallel(C, K):
                 km_s[j, d] = T.cast(0, op)
             for I in T.serial(NSUB):
@@ -177,9 +178,9 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
                     kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
                     Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
                     Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
-                # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them stay zero from
-                # before the loop, and are neither read nor rewritten (with a masked loop over all C
-                # rows, TileLang loaded k and gamma for the zero rows as well)
+                # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them keep their zeros
+                # and their k and gamma are not loaded (with a masked loop over all C rows, TileLang
+                # loaded k and gamma for the zero rows as well)
                 for J in T.serial(I + 1):
                     for r, d in T.Parallel(BS, K):
                         km_s[BS * J + r, d] = T.cast(

@@ -195,8 +195,9 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             every other launch the form with S and V' in shared memory. One chunk step on an
             H200 (K = V = 128, bf16): (64, 128) 1.40 us, (32, 128) 1.05, (16, 128) 0.78
             (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
-            None takes 3 for the shared-operand form (S1 0.62 -> 0.54 ms with O staged in shared
-            memory, S3 1.78 -> 1.58 at (16, 128)) and 2 for the register-operand form (3: within 2%).
+            None takes 3 for the shared-operand form (with O staged in shared memory, one run:
+            S1 0.64 -> 0.53 ms at (32, 128), S3 1.78 -> 1.58 at (16, 128)) and 2 for the
+            register-operand form (3 measured within 2.5%).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
