@@ -96,24 +96,77 @@ def _is_mma_wait(line):
     return "warpgroup_wait<0>" in line or "wait_wgmma<0>" in line
 
 
+_WAIT_N = re.compile(r"(?:warpgroup_wait|wait_wgmma)<(\d+)>")
+_FULL_WAIT = re.compile(r"mbarrier\[\(+c_1 % (\d+)\)(?: \+ (\d+)\))?\]\.wait\(")
+_RELEASE_AT = re.compile(r"mbarrier\[\(+c_1 % (\d+)\)(?: \+ (\d+)\))?\]\.arrive\(\)")
+_DESCRIPTOR = re.compile(r"initialize_wgmma_descriptor.*\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+)\)")
+
+
+def _released_tiles(lines):
+    """TileLang's pipeline barriers in a consumer loop: {release barrier base: shared tile or None}.
+    Tile t's "full" barriers are mbarrier[c % S + b_t] (waited before its first read) and its
+    "empty" ones mbarrier[c % S + b_t + F] (arrived to hand it back), F = S x the number of tiles;
+    the tile is the MMA operand whose descriptor follows the full wait (None: read by threads only)."""
+    full, tile, stages = {}, None, None
+    for line in lines:
+        m = _FULL_WAIT.search(line)
+        if m:
+            stages, tile = int(m.group(1)), int(m.group(2) or 0)
+            full.setdefault(tile, None)
+            continue
+        m = _DESCRIPTOR.search(line)
+        if m and tile is not None and full[tile] is None:
+            full[tile] = m.group(1)
+        if "wgmma" in line and "descriptor" not in line:
+            tile = None
+    if not full:
+        return {}
+    return {base + stages * len(full): buf for base, buf in full.items()}
+
+
 def assert_released_after_wait(src, loop_header):
     """In the (consumer) loop opening with `loop_header`, taken cyclically: no mbarrier arrive (which
     hands a pipelined tile back to the TMA producer, who may then overwrite it) and no store into a
-    shared operand (stmatrix or SHARED_OPERAND_STORE) while an MMA group committed before it has not
-    been waited for."""
+    shared operand (stmatrix or SHARED_OPERAND_STORE) while an MMA group committed before it, not yet
+    waited for, may read it. Groups complete in order (wait<N>: all but the last N); a group reads
+    the buffers of the descriptors built since the previous group. A release whose tile is known
+    (_released_tiles) and read by no pending group, or a store into a named buffer no pending group
+    reads, is allowed; any other release or store with a group pending is not."""
     lines = loop_text(src, loop_header).splitlines()[1:]
     release = re.compile(r"(?<!warpgroup_)(?<!tma_store_)arrive\(|mbarrier_arrive\(")  # not the MMA fence
-    pending = None
+    tiles = _released_tiles(lines)
+    pending, reads = [], set()
     for sweep in range(2):  # the second sweep starts with what the end of the loop left pending
         for n, line in enumerate(lines):
-            if "warpgroup_commit_batch" in line:
-                pending = n
-            elif _is_mma_wait(line):
-                pending = None
-            elif pending is not None and (release.search(line) or "stmatrix" in line
-                                          or SHARED_OPERAND_STORE.search(line)):
-                raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) while the MMA group "
-                                     f"committed at line {pending} may still read shared memory")
+            m = _DESCRIPTOR.search(line)
+            if m:
+                reads.add(m.group(1))
+            if "warpgroup_commit_batch" in line:  # a group with no descriptor seen may read anything
+                pending.append((n, frozenset(reads) if reads else None))
+                reads = set()
+                continue
+            w = _WAIT_N.search(line)
+            if w:
+                keep = int(w.group(1))
+                pending = pending[len(pending) - keep:] if keep else []
+                continue
+            if not pending:
+                continue
+            if release.search(line):
+                r = _RELEASE_AT.search(line)
+                base = int(r.group(2) or 0) if r else None
+                if base in tiles and not any(g is None or tiles[base] in g for _, g in pending):
+                    continue
+            elif "stmatrix" in line:  # the buffer when named, else any
+                st = re.search(r"\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+_s)\)", line)
+                if st and not any(g is None or st.group(1) in g for _, g in pending):
+                    continue
+            else:
+                st = SHARED_OPERAND_STORE.search(line)
+                if not st or not any(g is None or st.group(1) in g for _, g in pending):
+                    continue
+            raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) while the MMA group "
+                                 f"committed at line {pending[0][0]} may still read shared memory")
 
 
 def async_mma_events(src, loop_header):

@@ -98,9 +98,11 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
 
 @pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128))])
 def test_state_output_releases_tiles_after_its_mmas(K, launch):
-    """The shared-operand state + output pass issues the state update and the output's two MMAs
-    together and waits once: the pipelined tiles they read (Kd, Qg, Aqk) go back to the TMA
-    producer only after that wait, and the next chunk's state store into shared memory too."""
+    """The shared-operand state + output pass issues W S and Qg S together and waits for W S only
+    (wait<1>), then the state update and Aqk V' and waits once for all: each pipelined tile goes back
+    to the TMA producer only after the MMAs that read it completed (W after the wait<1>; Kd, Qg, Aqk
+    after the last wait), and V' and the next chunk's state are stored into shared memory only
+    when no pending MMA reads them."""
     block_v, threads = launch
     src = build_state_output_kernel(None, K, K, 64, "bfloat16", with_h0=True, store_ht=True, block_v=block_v,
                                     threads=threads).get_kernel_source()
@@ -121,6 +123,32 @@ def test_release_check_catches_an_early_release(early):
         assert_released_after_wait(loop.replace("{}", early, 1).replace("}}", "}"), header)
     late = loop.replace("  {}\n  tl::wait_wgmma<0>();", "  tl::wait_wgmma<0>();\n  " + early).replace("}}", "}")
     assert_released_after_wait(late, header)
+
+
+def test_release_check_follows_partial_waits():
+    """wait<1> completes all but the last MMA group: a tile read only by the completed group may be
+    handed back (its release barrier found from the full barrier waited before its descriptor), a
+    tile the pending group reads may not."""
+    header = "for (int c_1 = 0; c_1 < n; ++c_1) {"
+    loop = "\n".join([
+        header,
+        "  mbarrier[(c_1 % 2)].wait(p);",
+        "  tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)w_s)[0])));",
+        "  tl::warpgroup_arrive();",
+        "  tl::warpgroup_commit_batch();",
+        "  mbarrier[((c_1 % 2) + 2)].wait(p);",
+        "  tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)qg_s)[0])));",
+        "  tl::warpgroup_arrive();",
+        "  tl::warpgroup_commit_batch();",
+        "  tl::wait_wgmma<1>();",
+        "  {}",
+        "  tl::wait_wgmma<0>();",
+        "}"])
+    assert_released_after_wait(loop.replace("{}", "mbarrier[((c_1 % 2) + 4)].arrive();"), header)  # w_s
+    assert_released_after_wait(loop.replace("{}", "((bfloat16_t*)vn_s)[i] = x;"), header)
+    for early in ("mbarrier[((c_1 % 2) + 6)].arrive();", "((bfloat16_t*)qg_s)[i] = x;", "mbarrier[5].arrive();"):
+        with pytest.raises(AssertionError, match="may still read"):
+            assert_released_after_wait(loop.replace("{}", early), header)
 
 
 @pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (64, "bfloat16", "bf16x2"),

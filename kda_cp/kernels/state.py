@@ -149,17 +149,22 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
                 for c in T.Pipelined(nc, num_stages=num_stages):
                     load_chunk(W, U, Qg, Kd, Aqk, Ec, c0 + c, ih, iv, w_s, u_s, qg_s, kd_s, aqk_s, ec_s)
                     T.copy(S_f, S_s)
-                    # V' = U - W S
-                    T.gemm(w_s, S_s, vn_f, clear_accum=True)
+                    # V' = U - W S, and O = Qg S issued behind it: the tensor cores run Qg S while
+                    # this warpgroup waits for W S only (groups complete in order) and forms V'
+                    T.wgmma_gemm(w_s, S_s, vn_f, clear_accum=True)
+                    T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(vn_f, num_regs=C * BV // threads)  # V' read after the wait
+                    if eos < bos:  # never true: W's last read after the wait (see below)
+                        O[bos, ih, iv * BV] = w_s[0, 0]
                     for i, j in T.Parallel(C, BV):
                         vn_f[i, j] = T.cast(u_s[i, j], f32) - vn_f[i, j]
                     T.copy(vn_f, vn_s)
-                    # S <- Diag(eC) S + Kd^T V' (the next chunk's chain) and O = Qg S + Aqk V' (S_s
-                    # still holds the chunk's S): independent MMAs issued back to back, one wait
+                    # S <- Diag(eC) S + Kd^T V' (the next chunk's chain) and O += Aqk V': issued
+                    # back to back, one wait for all
                     for d, j in T.Parallel(K, BV):
                         S_f[d, j] = S_f[d, j] * ec_s[d]
                     T.wgmma_gemm(kd_s, vn_s, S_f, transpose_A=True)
-                    T.wgmma_gemm(qg_s, S_s, o_f, clear_accum=True)
                     T.wgmma_gemm(aqk_s, vn_s, o_f)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(S_f, num_regs=K * BV // threads)  # reads of the accumulators
@@ -197,7 +202,8 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
             None takes 3 for the shared-operand form (with O staged in shared memory, one run:
             S1 0.64 -> 0.53 ms at (32, 128), S3 1.78 -> 1.58 at (16, 128)) and 2 for the
-            register-operand form (3 measured within 2.5%).
+            register-operand form (3 measured within 2.5%). The shared-operand form issues the
+            output's Qg S with W S and waits for W S alone (S3 1.62 -> 1.57 ms, same bits).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
