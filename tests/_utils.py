@@ -97,31 +97,29 @@ def _is_mma_wait(line):
 
 
 _WAIT_N = re.compile(r"(?:warpgroup_wait|wait_wgmma)<(\d+)>")
-_FULL_WAIT = re.compile(r"mbarrier\[\(+c_1 % (\d+)\)(?: \+ (\d+)\))?\]\.wait\(")
-_RELEASE_AT = re.compile(r"mbarrier\[\(+c_1 % (\d+)\)(?: \+ (\d+)\))?\]\.arrive\(\)")
+# a pipeline barrier of stage c % S (or c & 1) plus a base, in any of TileLang's spellings
+_BARRIER = r"mbarrier\[\(+c(?:_\d+)? (?:%|&) \d+\)(?: \+ (\d+)\))?\]"
+_EMPTY_WAIT = re.compile(_BARRIER + r"\.wait\(.*\^ 1\)")  # the producer waits for a slot to be free
+_TMA_LOAD = re.compile(r"tma_load\(.*\(\((?:\w+)\*\)(\w+)\)\[")
+_RELEASE_AT = re.compile(_BARRIER + r"\.arrive\(\)")
 _DESCRIPTOR = re.compile(r"initialize_wgmma_descriptor.*\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+)\)")
 
 
-def _released_tiles(lines):
-    """TileLang's pipeline barriers in a consumer loop: {release barrier base: shared tile or None}.
-    Tile t's "full" barriers are mbarrier[c % S + b_t] (waited before its first read) and its
-    "empty" ones mbarrier[c % S + b_t + F] (arrived to hand it back), F = S x the number of tiles;
-    the tile is the MMA operand whose descriptor follows the full wait (None: read by threads only)."""
-    full, tile, stages = {}, None, None
-    for line in lines:
-        m = _FULL_WAIT.search(line)
+def _released_tiles(src):
+    """{release barrier base: shared tile} of TileLang's TMA pipeline, read off the producer: it
+    waits on a tile's "empty" barrier (mbarrier[c % S + base], parity ^ 1) before the TMA load into
+    that tile, and the consumer arrives on the same barrier to hand the tile back."""
+    tiles, base = {}, None
+    for line in src.splitlines():
+        m = _EMPTY_WAIT.search(line)
         if m:
-            stages, tile = int(m.group(1)), int(m.group(2) or 0)
-            full.setdefault(tile, None)
+            base = int(m.group(1) or 0)
             continue
-        m = _DESCRIPTOR.search(line)
-        if m and tile is not None and full[tile] is None:
-            full[tile] = m.group(1)
-        if "wgmma" in line and "descriptor" not in line:
-            tile = None
-    if not full:
-        return {}
-    return {base + stages * len(full): buf for base, buf in full.items()}
+        m = _TMA_LOAD.search(line)
+        if m and base is not None:
+            tiles.setdefault(base, m.group(1))
+            base = None
+    return tiles
 
 
 def assert_released_after_wait(src, loop_header):
@@ -129,19 +127,25 @@ def assert_released_after_wait(src, loop_header):
     hands a pipelined tile back to the TMA producer, who may then overwrite it) and no store into a
     shared operand (stmatrix or SHARED_OPERAND_STORE) while an MMA group committed before it, not yet
     waited for, may read it. Groups complete in order (wait<N>: all but the last N); a group reads
-    the buffers of the descriptors built since the previous group. A release whose tile is known
-    (_released_tiles) and read by no pending group, or a store into a named buffer no pending group
-    reads, is allowed; any other release or store with a group pending is not."""
+    the buffers of the descriptors built since the previous group (none seen: anything). A release
+    is allowed with groups pending only if its tile is known from the producer (_released_tiles), no
+    pending group reads it, and no MMA of the iteration reads it later (a release comes after the
+    tile's last read); a store only if it names its buffer and no pending group reads that."""
     lines = loop_text(src, loop_header).splitlines()[1:]
     release = re.compile(r"(?<!warpgroup_)(?<!tma_store_)arrive\(|mbarrier_arrive\(")  # not the MMA fence
-    tiles = _released_tiles(lines)
+    tiles = _released_tiles(src)
+    last_read = {}
+    for n, line in enumerate(lines):
+        m = _DESCRIPTOR.search(line)
+        if m:
+            last_read[m.group(1)] = n
     pending, reads = [], set()
     for sweep in range(2):  # the second sweep starts with what the end of the loop left pending
         for n, line in enumerate(lines):
             m = _DESCRIPTOR.search(line)
             if m:
                 reads.add(m.group(1))
-            if "warpgroup_commit_batch" in line:  # a group with no descriptor seen may read anything
+            if "warpgroup_commit_batch" in line:
                 pending.append((n, frozenset(reads) if reads else None))
                 reads = set()
                 continue
@@ -150,13 +154,16 @@ def assert_released_after_wait(src, loop_header):
                 keep = int(w.group(1))
                 pending = pending[len(pending) - keep:] if keep else []
                 continue
-            if not pending:
-                continue
             if release.search(line):
                 r = _RELEASE_AT.search(line)
-                base = int(r.group(2) or 0) if r else None
-                if base in tiles and not any(g is None or tiles[base] in g for _, g in pending):
+                tile = tiles.get(int(r.group(1) or 0)) if r else None
+                if tile is not None and last_read.get(tile, -1) > n:
+                    raise AssertionError(f"line {n} of the loop ({line.strip()[:60]}) hands {tile} back "
+                                         f"before the MMA at line {last_read[tile]} reads it")
+                if not pending or (tile is not None and not any(g is None or tile in g for _, g in pending)):
                     continue
+            elif not pending:
+                continue
             elif "stmatrix" in line:  # the buffer when named, else any
                 st = re.search(r"\((?:tfloat32_t|bfloat16_t|half_t)\*\)(\w+_s)\)", line)
                 if st and not any(g is None or st.group(1) in g for _, g in pending):

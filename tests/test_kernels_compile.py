@@ -127,28 +127,44 @@ def test_release_check_catches_an_early_release(early):
 
 def test_release_check_follows_partial_waits():
     """wait<1> completes all but the last MMA group: a tile read only by the completed group may be
-    handed back (its release barrier found from the full barrier waited before its descriptor), a
-    tile the pending group reads may not."""
+    handed back (its release barrier read off the producer's wait before the TMA load into it), a
+    tile the pending group reads may not, nor a tile before the MMA that reads it, nor a barrier
+    the producer does not name."""
+    producer = "\n".join([
+        "for (int c = 0; c < n; ++c) {",
+        "  mbarrier[((c & 1) + 4)].wait((((c & 3) >> 1) ^ 1));",
+        "  tl::tma_load(W_desc, mbarrier[(c & 1)], (&(((bfloat16_t*)w_s)[((c & 1) * 8192)])), 0, 0);",
+        "  mbarrier[((c & 1) + 6)].wait((((c & 3) >> 1) ^ 1));",
+        "  tl::tma_load(Qg_desc, mbarrier[((c & 1) + 2)], (&(((bfloat16_t*)qg_s)[((c & 1) * 8192)])), 0, 0);",
+        "}"])
     header = "for (int c_1 = 0; c_1 < n; ++c_1) {"
     loop = "\n".join([
         header,
-        "  mbarrier[(c_1 % 2)].wait(p);",
+        "  mbarrier[(c_1 & 1)].wait(p);",
+        "  mbarrier[((c_1 & 1) + 2)].wait(p);",
         "  tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)w_s)[0])));",
         "  tl::warpgroup_arrive();",
         "  tl::warpgroup_commit_batch();",
-        "  mbarrier[((c_1 % 2) + 2)].wait(p);",
+        "  {}",
         "  tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)qg_s)[0])));",
         "  tl::warpgroup_arrive();",
         "  tl::warpgroup_commit_batch();",
         "  tl::wait_wgmma<1>();",
-        "  {}",
+        "  [}",
         "  tl::wait_wgmma<0>();",
         "}"])
-    assert_released_after_wait(loop.replace("{}", "mbarrier[((c_1 % 2) + 4)].arrive();"), header)  # w_s
-    assert_released_after_wait(loop.replace("{}", "((bfloat16_t*)vn_s)[i] = x;"), header)
-    for early in ("mbarrier[((c_1 % 2) + 6)].arrive();", "((bfloat16_t*)qg_s)[i] = x;", "mbarrier[5].arrive();"):
+
+    def check(early="", late=""):
+        assert_released_after_wait(producer + "\n" + loop.replace("{}", early).replace("[}", late), header)
+
+    check(late="mbarrier[((c_1 & 1) + 4)].arrive();")  # w_s: its group is done
+    check(late="((bfloat16_t*)vn_s)[i] = x;")  # read by no pending group
+    for late in ("mbarrier[((c_1 & 1) + 6)].arrive();", "((bfloat16_t*)qg_s)[i] = x;", "mbarrier[5].arrive();",
+                 "tl::ptx_stmatrix_m8n8_x4(a, b, c, d, e);"):
         with pytest.raises(AssertionError, match="may still read"):
-            assert_released_after_wait(loop.replace("{}", early), header)
+            check(late=late)
+    with pytest.raises(AssertionError, match="before the MMA"):  # qg_s handed back before Qg S issues
+        check(early="mbarrier[((c_1 & 1) + 6)].arrive();")
 
 
 @pytest.mark.parametrize("K,dtype,operands", [(128, "bfloat16", "bf16x2"), (64, "bfloat16", "bf16x2"),

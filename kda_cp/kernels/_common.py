@@ -236,7 +236,9 @@ STATE_LAUNCHES = ((64, 128), (32, 128), (16, 128))
 #: Measured time of one chunk step of each launch (microseconds, H200, K = V = 128, bf16, one block
 #: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output` (thirteenth
 #: session, docs/results/h200_tune_launches.json): (64, 128) 0.72 ms / 512 steps at S1, (32, 128)
-#: 0.54 ms / 512 at S1 and 2.07 ms / 2048 at S3, (16, 128) 1.59 ms / 2048 at S3.
+#: 0.54 ms / 512 at S1 and 2.07 ms / 2048 at S3, (16, 128) 1.59 ms / 2048 at S3. Measured before
+#: the shared-operand form issued Qg S with W S, which made its steps 3-5% faster (not re-measured;
+#: the choices at S1-S3 have margins over 25%).
 STATE_STEP_US = {(64, 128): 1.40, (32, 128): 1.05, (16, 128): 0.78}
 
 
