@@ -3,9 +3,33 @@
 # time, shared-memory wavefronts and bank conflicts, stall reasons, occupancy. Needs ncu on PATH.
 #
 #   OUT=results bash scripts/profile_kernels.sh      -> $OUT/ncu_kernels.txt
+#   OUT=results bash scripts/profile_kernels.sh sass -> per-instruction stall samples of the forward's
+#       two kernels at S1 ($OUT/sass_<kernel>.csv and, from scripts/ncu_sass_summary.py,
+#       $OUT/sass_<kernel>.txt: where the warps wait, by opcode, reason and stretch of code; the
+#       ncu commands are the ones run on an H200 in the thirteenth session from a scratch copy,
+#       this script form of them not yet run on a GPU)
 set -uo pipefail
 OUT=${OUT:-profile_out}
 mkdir -p "$OUT"
+if [ "${1:-}" = sass ]; then
+  HERE=$(dirname "$0")
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" timeout 500 ncu --clock-control none --kernel-name regex:"kda_" --launch-skip 2 --launch-count 2 --set full \
+    --import-source yes -o "$OUT/fwd_s1" python - > "$OUT/ncu_sass_run.log" 2>&1 <<'PY'
+import torch
+from _bench import SHAPES, make_inputs
+from kda_cp.kernels import chunk_kda_fwd
+q, k, v, g, beta = make_inputs(**SHAPES["S1"])
+with torch.no_grad():
+    for _ in range(2):  # the second call's two launches are profiled
+        chunk_kda_fwd(q, k, v, g, beta, scale=128 ** -0.5)
+    torch.cuda.synchronize()
+PY
+  for kn in kda_intra_fwd kda_state_output_fwd; do
+    ncu -i "$OUT/fwd_s1.ncu-rep" --page source --csv --print-source sass --kernel-name regex:$kn > "$OUT/sass_$kn.csv"
+    python "$HERE/ncu_sass_summary.py" "$OUT/sass_$kn.csv" > "$OUT/sass_$kn.txt" && head -4 "$OUT/sass_$kn.txt"
+  done
+  exit 0
+fi
 M=gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread
 M=$M,launch__shared_mem_per_block_dynamic,sm__warps_active.avg.pct_of_peak_sustained_active
 M=$M,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
