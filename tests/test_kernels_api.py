@@ -73,13 +73,13 @@ def test_chunk_tables_fixed_and_packed():
 
 def test_state_launch_fills_the_gpu():
     """The launch picked for the benchmark shapes on an H200 (132 SMs), the ones measured fastest
-    there (kernels/NOTES.md, thirteenth session), and the rule's boundaries: waves x measured step
+    there (kernels/NOTES.md, fourteenth session), and the rule's boundaries: waves x measured step
     time (state_launch's docstring). Needs no tilelang."""
     from kda_cp.kernels._common import STATE_LAUNCHES, STATE_STEP_US, state_launch
 
-    assert state_launch(132, 1, 32, 128) == (32, 128)  # S1: 128 blocks, one wave (0.54 vs 0.72 / 0.81 ms)
-    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2: 4 waves of the widest (0.41 vs 0.55 / 0.85)
-    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 128 blocks of 16 columns (1.59 vs 2.07 / 2.78)
+    assert state_launch(132, 1, 32, 128) == (32, 128)  # S1: 128 blocks, one wave (0.51 vs 0.63 / 0.77 ms)
+    assert state_launch(132, 8, 32, 128) == (64, 128)  # S2: 4 waves of the widest (0.40 vs 0.53 / 0.79)
+    assert state_launch(132, 1, 16, 128) == (16, 128)  # S3: 128 blocks of 16 columns (1.54 vs 1.97 / 2.47)
     assert state_launch(132, 1, 1, 64) == (16, 128)  # few heads: the most blocks
     assert state_launch(132, 1, 33, 128) == (32, 128)  # 132 blocks of 32 columns: exactly one wave
     assert state_launch(132, 1, 34, 128) == (64, 128)  # 136: a second wave of 32 columns costs more

@@ -234,12 +234,11 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
 STATE_LAUNCHES = ((64, 128), (32, 128), (16, 128))
 
 #: Measured time of one chunk step of each launch (microseconds, H200, K = V = 128, bf16, one block
-#: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output` (thirteenth
-#: session, docs/results/h200_tune_launches.json): (64, 128) 0.72 ms / 512 steps at S1, (32, 128)
-#: 0.54 ms / 512 at S1 and 2.07 ms / 2048 at S3, (16, 128) 1.59 ms / 2048 at S3. Measured before
-#: the shared-operand form issued Qg S with W S, which made its steps 3-5% faster (not re-measured;
-#: the choices at S1-S3 have margins over 25%).
-STATE_STEP_US = {(64, 128): 1.40, (32, 128): 1.05, (16, 128): 0.78}
+#: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output` (fourteenth
+#: session, docs/results/h200_tune_launches.json): (64, 128) 0.632 ms / 512 steps at S1, (32, 128)
+#: 0.506 ms / 512 at S1, (16, 128) 1.543 ms / 2048 at S3; both forms issue the output's Qg S with
+#: W S.
+STATE_STEP_US = {(64, 128): 1.23, (32, 128): 0.99, (16, 128): 0.75}
 
 
 def check_state_launch(block_v: int, threads: int) -> None:
@@ -272,9 +271,9 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     step), waves = ceil(V / block_v * N * H / sms). Wider blocks take longer a step but are fewer.
     The rule: the launch of STATE_LAUNCHES with the least waves x STATE_STEP_US (the widest on a
     tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200,
-    K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.54 ms against (64, 128) 0.72 and (16, 128)
-    0.81 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.41 ms against 0.55 and 0.85;
-    T = 131072, H = 16 (S3): (16, 128), 1.59 ms against 2.07 and 2.78 (kernels/NOTES.md, thirteenth
+    K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.51 ms against (64, 128) 0.63 and (16, 128)
+    0.77 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.40 ms against 0.53 and 0.79;
+    T = 131072, H = 16 (S3): (16, 128), 1.54 ms against 1.97 and 2.47 (kernels/NOTES.md, fourteenth
     session, and docs/results/h200_tune_launches.json; each a median of 10, three times).
     """
     best = None

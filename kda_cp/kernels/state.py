@@ -107,20 +107,27 @@ def _state_output_func(H, K, V, C, dtype, f32, block_v, threads, num_stages, wit
                     load_chunk(W, U, Qg, Kd, Aqk, Ec, c0 + c, ih, iv, w_s, u_s, qg_s, kd_s, aqk_s, ec_s)
                     for j, d in T.Parallel(BV, K):
                         s_f[j, d] = T.cast(S_f[j, d], dtype)
-                    T.gemm(s_f, w_s, vn_f, transpose_B=True, clear_accum=True)  # S^T W^T
+                    # V'^T = U^T - S^T W^T, and O^T = S^T Qg^T issued behind it: the tensor cores
+                    # run S^T Qg^T while this warpgroup waits for S^T W^T only and forms V'^T
+                    T.wgmma_gemm(s_f, w_s, vn_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(s_f, qg_s, o_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(vn_f, num_regs=C * BV // 128)  # V'^T read after the wait
+                    if eos < bos:  # never true: W's last read after the wait (see below)
+                        O[bos, ih, iv * BV] = w_s[0, 0]
                     for j, i in T.Parallel(BV, C):
                         v_f[j, i] = T.cast(T.cast(u_s[i, j], f32) - vn_f[j, i], dtype)
-                    # the next chunk's S^T and this chunk's O^T: issued together, one wait (the
-                    # last, synchronous MMA waits for all)
+                    # the next chunk's S^T and O^T += V'^T Aqk^T: issued back to back, one wait
                     for j, d in T.Parallel(BV, K):
                         S_f[j, d] = S_f[j, d] * ec_s[d]
                     T.wgmma_gemm(v_f, kd_s, S_f)
-                    T.wgmma_gemm(s_f, qg_s, o_f, transpose_B=True, clear_accum=True)
-                    T.gemm(v_f, aqk_s, o_f, transpose_B=True)
-                    T.warpgroup_fence_operand(S_f, num_regs=K * BV // 128)  # S^T read only after the wait
-                    if eos < bos:  # never true: Kd's and Qg's last reads after the wait, so that
-                        # TileLang hands them back to the TMA producer only once the MMAs have read them
-                        O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0]
+                    T.wgmma_gemm(v_f, aqk_s, o_f, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(S_f, num_regs=K * BV // 128)  # reads of the accumulators
+                    T.warpgroup_fence_operand(o_f, num_regs=C * BV // 128)  # stay after the wait
+                    if eos < bos:  # never true: the pipelined tiles' last reads stay after the wait, so
+                        # that TileLang hands them back to the TMA producer only once the MMAs read them
+                        O[bos, ih, iv * BV] = kd_s[0, 0] + qg_s[0, 0] + aqk_s[0, 0]
                     for j, i in T.Parallel(BV, C):
                         o_s[i, j] = T.cast(o_f[j, i], dtype)
                     for i, j in T.Parallel(C, BV):
@@ -198,12 +205,13 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form;
             every other launch the form with S and V' in shared memory. One chunk step on an
-            H200 (K = V = 128, bf16): (64, 128) 1.40 us, (32, 128) 1.05, (16, 128) 0.78
+            H200 (K = V = 128, bf16): (64, 128) 1.23 us, (32, 128) 0.99, (16, 128) 0.75
             (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
             None takes 3 for the shared-operand form (with O staged in shared memory, one run:
             S1 0.64 -> 0.53 ms at (32, 128), S3 1.78 -> 1.58 at (16, 128)) and 2 for the
-            register-operand form (3 measured within 2.5%). The shared-operand form issues the
-            output's Qg S with W S and waits for W S alone (S3 1.62 -> 1.57 ms, same bits).
+            register-operand form (3 measured within 2.5%). Both forms issue the output's Qg S
+            with W S and wait for W S alone (same bits; shared-operand form S3 1.62 -> 1.57 ms,
+            register-operand form S1 0.758 -> 0.684, S2 0.419 -> 0.409).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
