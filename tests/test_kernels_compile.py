@@ -104,9 +104,10 @@ def test_state_output_releases_tiles_after_its_mmas(K, launch):
     """Both forms of the state + output pass issue W S and Qg S together (the register-operand form:
     S^T W^T and S^T Qg^T) and wait for the first only (wait<1>), then the state update and Aqk V'
     and wait once for all: each pipelined tile goes back to the TMA producer only after the MMAs
-    that read it completed (W after the wait<1>; Kd, Qg, Aqk after the last wait), and (shared-
-    operand form) V' and the next chunk's state are stored into shared memory only when no pending
-    MMA reads them."""
+    that read it completed (W not before the wait<1>; Kd, Qg, Aqk not before the last wait), the
+    V' accumulator read only after the wait<1> and the accumulators only after the last wait
+    (operand fences right behind each wait), and (shared-operand form) V' and the next chunk's
+    state stored into shared memory only when no pending MMA reads them."""
     block_v, threads = launch
     src = build_state_output_kernel(None, K, K, 64, "bfloat16", with_h0=True, store_ht=True, block_v=block_v,
                                     threads=threads).get_kernel_source()
@@ -114,6 +115,9 @@ def test_state_output_releases_tiles_after_its_mmas(K, launch):
     after_wait = src[src.index("wait_wgmma<0>();"):].splitlines()[1:3]
     assert all("warpgroup_fence_operand" in line for line in after_wait), \
         "reads of the accumulators must stay after the wait (operand fences)"
+    after_partial = src[src.index("wait_wgmma<1>();"):].splitlines()[1]
+    assert "warpgroup_fence_operand" in after_partial and "vn_f" in after_partial, \
+        "V' must be read only after the wait for its MMA (operand fence)"
     assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
 
 

@@ -205,13 +205,13 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form;
             every other launch the form with S and V' in shared memory. One chunk step on an
-            H200 (K = V = 128, bf16): (64, 128) 1.23 us, (32, 128) 0.99, (16, 128) 0.75
+            H200 (K = V = 128, bf16): (64, 128) 1.24 us, (32, 128) 0.99, (16, 128) 0.75
             (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
             None takes 3 for the shared-operand form (with O staged in shared memory, one run:
             S1 0.64 -> 0.53 ms at (32, 128), S3 1.78 -> 1.58 at (16, 128)) and 2 for the
             register-operand form (3 measured within 2.5%). Both forms issue the output's Qg S
             with W S and wait for W S alone (same bits; shared-operand form S3 1.62 -> 1.57 ms,
-            register-operand form S1 0.758 -> 0.684, S2 0.419 -> 0.409).
+            register-operand form S1 0.758 -> 0.684, S2 0.419 -> 0.409 in one A/B run).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
