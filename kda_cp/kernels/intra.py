@@ -84,6 +84,57 @@ def _solve_macro(C, f32, threads):
     return solve
 
 
+def _row_block_macro(C, K, ncols, dtype, f32, scale):
+    """row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih): row
+    block I (rows 16 I .. 16 I + 15) of the chunk-local kernel: its rows of Qg and Kd, its rows of
+    L = Diag(beta) StrictTril(Akk) (into L_s) and of Aqk (to global), through the reference r_I (see
+    the module docstring), from one MMA of [k_i exp(gamma_i - r_I); scale q_i exp(gamma_i - r_I)]
+    (kqp_s) with the column table km_j = k_j exp(r_I - gamma_j) over the first ``ncols`` columns
+    (km_s; rows past sub-chunk I stay zero). ``ncols`` must cover the row block's sub-chunks, 16 (I
+    + 1) <= ncols; Aqk's columns past ncols are written as zeros, L_s's are left unwritten (the
+    solve reads only j < 16 (I + 1))."""
+    BS = SUB
+    op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
+    LOG2E = 1.4426950408889634
+
+    @T.macro
+    def row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih):
+        # the row block's factors, and its rows of Qg and Kd (same q and gamma)
+        for r, d in T.Parallel(BS, K):
+            i = BS * I + r
+            ref = sub_chunk_ref(gam_s, I, d)
+            gi = gam_s[i, d]
+            e = T.exp2((gi - ref) * LOG2E)
+            kv = T.cast(k_s[i, d], f32)
+            qv = T.cast(q_s[i, d], f32)
+            kqp_s[r, d] = T.cast(kv * e, op)
+            kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
+            Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
+            Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
+        # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them keep their zeros and
+        # their k and gamma are not loaded (with a masked loop over all C rows, TileLang loaded k
+        # and gamma for the zero rows as well)
+        for J in T.serial(I + 1):
+            for r, d in T.Parallel(BS, K):
+                km_s[BS * J + r, d] = T.cast(
+                    T.cast(k_s[BS * J + r, d], f32)
+                    * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[BS * J + r, d]) * LOG2E), op)
+        a_f = T.alloc_fragment([2 * BS, ncols], f32)  # [Akk; Aqk] rows of block I
+        T.gemm(kqp_s, km_s[0:ncols, :], a_f, transpose_B=True, clear_accum=True)
+        for r, j in T.Parallel(2 * BS, ncols):
+            if r < BS:
+                L_s[BS * I + r, j] = T.if_then_else(
+                    j < BS * I + r, beta_s[BS * I + r] * a_f[r, j], T.float32(0))
+            else:
+                Aqk_out[ic, ih, BS * I + r - BS, j] = T.cast(
+                    T.if_then_else(j <= BS * I + r - BS, a_f[r, j], T.float32(0)), dtype)
+        if ncols < C:
+            for r, j in T.Parallel(BS, C - ncols):
+                Aqk_out[ic, ih, BS * I + r, ncols + j] = T.cast(0, dtype)
+
+    return row_block
+
+
 def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     C = chunk_size
     BS = SUB
@@ -93,6 +144,11 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     LOG2E = 1.4426950408889634
     solve = _solve_macro(C, f32, threads)
     row_scan = row_scan_macro(C, K, threads)
+    # row blocks I < NSUB / 2 need the columns j < 16 (I + 1) <= NCH only: their MMA and masks
+    # run over NCH columns (same bits; S1 on an H200 1.375 -> 1.340 ms)
+    NCH = BS * (NSUB // 2)
+    row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale)
+    row_block = _row_block_macro(C, K, C, dtype, f32, scale)
     VTPR = threads // C  # threads per row of v
     VPT = V // VTPR  # v values per thread
     if threads % C or V % VTPR:
@@ -160,41 +216,17 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             row_scan(gam_s, bos, eos)
 
             # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
-            # one loop in the generated code (not unrolled: smaller code), each row block over all
-            # C columns of km, zero past j >= BS*(I+1): zeroed once here, and no earlier row block
-            # writes those rows (their columns of the MMA are discarded by the masks below anyway)
+            # two loops in the generated code (not unrolled: smaller code), the first half of the
+            # row blocks over the first NCH columns of km, the others over all C; km is zero past
+            # j >= BS*(I+1): zeroed once here, and no earlier row block writes those rows (their
+            # columns of the MMA are discarded by the masks anyway)
             for j, d in T.Parallel(C, K):
                 km_s[j, d] = T.cast(0, op)
-            for I in T.serial(NSUB):
-                # the row block's factors, and its rows of Qg and Kd (same q and gamma)
-                for r, d in T.Parallel(BS, K):
-                    i = BS * I + r
-                    ref = sub_chunk_ref(gam_s, I, d)
-                    gi = gam_s[i, d]
-                    e = T.exp2((gi - ref) * LOG2E)
-                    kv = T.cast(k_s[i, d], f32)
-                    qv = T.cast(q_s[i, d], f32)
-                    kqp_s[r, d] = T.cast(kv * e, op)
-                    kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
-                    Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
-                    Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
-                # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them keep their zeros
-                # and their k and gamma are not loaded (with a masked loop over all C rows, TileLang
-                # loaded k and gamma for the zero rows as well)
-                for J in T.serial(I + 1):
-                    for r, d in T.Parallel(BS, K):
-                        km_s[BS * J + r, d] = T.cast(
-                            T.cast(k_s[BS * J + r, d], f32)
-                            * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[BS * J + r, d]) * LOG2E), op)
-                a_f = T.alloc_fragment([2 * BS, C], f32)  # [Akk; Aqk] rows of block I
-                T.gemm(kqp_s, km_s, a_f, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(2 * BS, C):
-                    if r < BS:
-                        L_s[BS * I + r, j] = T.if_then_else(
-                            j < BS * I + r, beta_s[BS * I + r] * a_f[r, j], T.float32(0))
-                    else:
-                        Aqk_out[ic, ih, BS * I + r - BS, j] = T.cast(
-                            T.if_then_else(j <= BS * I + r - BS, a_f[r, j], T.float32(0)), dtype)
+            for I in T.serial(NSUB // 2):  # the first half: their columns j < NCH only
+                row_block_head(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
+            for I in T.serial(NSUB - NSUB // 2):
+                row_block(I + NSUB // 2, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out,
+                          ic, ih)
 
             # ---- beta k e^gamma and eC now (k, q and gamma die here); v into registers, stored
             # after the solve, so that its global load is in flight during the solve ----
@@ -426,7 +458,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
             column factor take no exponential, v's load is issued before the solve and the
             solve's block rows sum several columns per thread (same bits as before); 1.53 ms
             with nvcc fast math; 1.39 ms (S3 2.99 -> 2.71) with one MMA for a row block's Akk and
-            Aqk and W, U stored by TMA (same bits).
+            Aqk and W, U stored by TMA (same bits); 1.34 ms (S3 2.69 -> 2.64, same bits) with the
+            first half of the row blocks over the first half of the columns.
         block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
             common factory signature.
     Returns:
