@@ -91,9 +91,9 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
     L = Diag(beta) StrictTril(Akk) (into L_s) and of Aqk (to global), through the reference r_I (see
     the module docstring), from one MMA of [k_i exp(gamma_i - r_I); scale q_i exp(gamma_i - r_I)]
     (kqp_s) with the column table km_j = k_j exp(r_I - gamma_j) over the first ``ncols`` columns
-    (km_s; rows past sub-chunk I stay zero). ``ncols`` must cover the row block's sub-chunks, 16 (I
-    + 1) <= ncols; Aqk's columns past ncols are written as zeros, L_s's are left unwritten (the
-    solve reads only j < 16 (I + 1))."""
+    (km_s; its rows past sub-chunk I are not written here and reach only masked columns).
+    ``ncols`` must cover the row block's sub-chunks, 16 (I + 1) <= ncols; Aqk's columns past ncols
+    are written as zeros, L_s's are left unwritten (the solve reads only j < 16 (I + 1))."""
     BS = SUB
     op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
     LOG2E = 1.4426950408889634
@@ -112,9 +112,9 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
             kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
             Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
             Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
-        # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them keep their zeros and
-        # their k and gamma are not loaded (with a masked loop over all C rows, TileLang loaded k
-        # and gamma for the zero rows as well)
+        # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them are neither computed
+        # nor loaded (with a masked loop over all C rows, TileLang loaded k and gamma for the
+        # masked rows as well)
         for J in T.serial(I + 1):
             for r, d in T.Parallel(BS, K):
                 km_s[BS * J + r, d] = T.cast(
@@ -146,9 +146,11 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     solve = _solve_macro(C, f32, threads)
     row_scan = row_scan_macro(C, K, threads)
     # row blocks I < NSUB / 2 need the columns j < 16 (I + 1) <= NCH only: their MMA and masks
-    # run over NCH columns (same bits; S1 on an H200 1.375 -> 1.340 ms)
+    # run over NCH columns (same bits; S1 on an H200 1.375 -> 1.340 ms), where that MMA still has an
+    # m16n8 tile for each warp (TileLang finds no warp partition otherwise: chunk_size 32 or 16)
     NCH = BS * (NSUB // 2)
-    row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale)
+    head = NCH > 0 and (2 * BS // 16) * (NCH // 8) >= threads // 32
+    row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale) if head else None
     row_block = _row_block_macro(C, K, C, dtype, f32, scale)
     VTPR = threads // C  # threads per row of v
     VPT = V // VTPR  # v values per thread
@@ -183,7 +185,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             # for Akk and Aqk, its warps split over both rows and columns (with two A operands of
             # 16 rows each of the 8 warps loaded the whole A)
             kqp_s = T.alloc_shared([2 * BS, K], op)
-            km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1), else 0
+            km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1) (rest unread)
             # row pitch C + 8: the stores of Akk from the MMA fragment (8 rows x 4 column pairs per
             # warp) and the solve's reads of two rows at once spread over the banks (a pitch of C put
             # the 8 rows on one bank: 8-way conflicts, 7% of the kernel's shared wavefronts on an H200)
@@ -222,11 +224,15 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             # km's rows j < BS*(I+1); the rows past them are not initialised: they only reach the
             # MMA's columns j >= BS*(I+1), past every row of the block, which the masks drop (a
             # select, so even a NaN there stays out of L and Aqk)
-            for I in T.serial(NSUB // 2):  # the first half: their columns j < NCH only
-                row_block_head(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
-            for I in T.serial(NSUB - NSUB // 2):
-                row_block(I + NSUB // 2, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out,
-                          ic, ih)
+            if head:
+                for I in T.serial(NSUB // 2):  # the first half: their columns j < NCH only
+                    row_block_head(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
+                for I in T.serial(NSUB - NSUB // 2):
+                    row_block(I + NSUB // 2, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out,
+                              Aqk_out, ic, ih)
+            else:
+                for I in T.serial(NSUB):
+                    row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
 
             # ---- beta k e^gamma and eC now (k, q and gamma die here); v into registers, stored
             # after the solve, so that its global load is in flight during the solve ----
