@@ -41,6 +41,19 @@ def test_validation_messages_show_shapes():
         kernels.chunk_kda_summary(k3, v3, g3, b3)
 
 
+def test_unaligned_inputs_are_an_error():
+    """q, k, v and g are read by TMA, which needs 16-byte aligned data pointers: a contiguous view
+    at an odd storage offset is refused with a clear error (and not claimed by is_supported)."""
+    q, k, v, g, beta = _inputs()
+    for name in ("q", "k", "v", "g"):
+        x = {"q": q, "k": k, "v": v, "g": g}[name]
+        shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)
+        assert shifted.is_contiguous() and shifted.data_ptr() % kernels.TMA_ALIGN
+        args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, name: shifted}
+        with pytest.raises(ValueError, match=f"{name} starts at a data pointer that is not 16-byte aligned"):
+            kernels.chunk_kda_fwd(args["q"], args["k"], args["v"], args["g"], args["beta"], scale=0.1)
+
+
 def test_too_many_sequences_is_an_error():
     """The state passes launch one block row per sequence (CUDA grid z <= 65535): more sequences in
     one call is a clear error, not a failed launch."""

@@ -41,6 +41,11 @@ def _hopper(device: torch.device) -> bool:
 #: sequences).
 MAX_GRID_YZ = 65535
 
+#: Byte alignment of q, k, v and g's data pointers: the chunk-local kernel reads them by TMA, whose
+#: descriptors need a 16-byte aligned global address (fresh tensors are; a view with an odd storage
+#: offset may not be).
+TMA_ALIGN = 16
+
 
 def is_supported(q, k, v, g, beta, cu_seqlens=None):
     """Whether the TileLang kernels cover these inputs.
@@ -49,7 +54,7 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
         (True, "") or (False, reason). Covered: CUDA tensors on a Hopper GPU (sm_90), q/k/v in
         bf16 or fp16 with K == V in {64, 128} (K != V is not tested, so not claimed), g fp32, beta
         fp32 or q's dtype, B == 1 when cu_seqlens is given, at most MAX_GRID_YZ heads and
-        sequences, tilelang importable.
+        sequences, q/k/v/g data pointers TMA_ALIGN-byte aligned, tilelang importable.
     """
     try:
         import tilelang  # noqa: F401
@@ -71,19 +76,25 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
                        f"{SUPPORTED_HEAD_DIMS}")
     if cu_seqlens is not None and q.shape[0] != 1:
         return False, f"cu_seqlens needs B == 1, got q {tuple(q.shape)}"
+    if any(t.data_ptr() % TMA_ALIGN for t in (q, k, v, g)):
+        return False, f"q/k/v/g data pointers not all {TMA_ALIGN}-byte aligned (read by TMA)"
     n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if n > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
         return False, f"{n} sequences and {q.shape[2]} heads: the state passes take at most {MAX_GRID_YZ} of each"
     return True, ""
 
 
-def _check(name, t, shape, dtypes):
+def _check(name, t, shape, dtypes, aligned=False):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
     if not t.is_contiguous():
         raise ValueError(f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
+    if aligned and t.data_ptr() % TMA_ALIGN:
+        raise ValueError(f"{name} starts at a data pointer that is not {TMA_ALIGN}-byte aligned (storage offset "
+                         f"{t.storage_offset()}): the chunk-local kernel reads it by TMA; pass a fresh "
+                         f"tensor (e.g. {name}.clone())")
 
 
 def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
@@ -91,10 +102,10 @@ def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
         raise ValueError(f"q and v must be 4-D, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES)
-    _check("k", k, (B, T, H, K), (q.dtype,))
-    _check("v", v, (B, T, H, V), (q.dtype,))
-    _check("g", g, (B, T, H, K), (torch.float32,))
+    _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES, aligned=True)
+    _check("k", k, (B, T, H, K), (q.dtype,), aligned=True)
+    _check("v", v, (B, T, H, V), (q.dtype,), aligned=True)
+    _check("g", g, (B, T, H, K), (torch.float32,), aligned=True)
     _check("beta", beta, (B, T, H), (torch.float32, q.dtype))
     if K not in SUPPORTED_HEAD_DIMS or V != K:
         raise ValueError(f"head dims K={K}, V={V}: need K == V in {SUPPORTED_HEAD_DIMS} "
@@ -151,9 +162,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Returns:
         o [B, T, H, V] in q's dtype, and final_state [N, H, K, V] fp32 or None.
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes), more
-        than MAX_GRID_YZ sequences or heads, or a ``prepared`` made for other shapes, scale, chunk
-        size or cu_seqlens.
+        ValueError on a shape, dtype, contiguity or option mismatch (message shows the shapes), q,
+        k, v or g not TMA_ALIGN-byte aligned, more than MAX_GRID_YZ sequences or heads, or a
+        ``prepared`` made for other shapes, scale, chunk size or cu_seqlens.
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
         fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
@@ -399,8 +410,8 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     Returns:
         (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch, or more than MAX_GRID_YZ
-        batch rows or heads.
+        ValueError on a shape, dtype, contiguity or option mismatch, k, v or g not TMA_ALIGN-byte
+        aligned, or more than MAX_GRID_YZ batch rows or heads.
     Numerics: cumsum, exponentials and the triangular solve in fp32 on CUDA cores; every GEMM is a
         3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (measured relative RMS vs
         fp64 over 1000 tokens: M 1.8e-5, S_tilde 1.4e-6).

@@ -87,7 +87,8 @@ def _solve_macro(C, f32, threads):
 
 def _row_block_macro(C, K, ncols, dtype, f32, scale):
     """row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih): row
-    block I (rows 16 I .. 16 I + 15) of the chunk-local kernel: its rows of Qg and Kd, its rows of
+    block I (rows 16 I .. 16 I + 15) of the chunk-local kernel: its rows of Qg and Kd, of beta k e^gamma
+    (written over q_s's rows, which nothing reads after this block), its rows of
     L = Diag(beta) StrictTril(Akk) (into L_s) and of Aqk (to global), through the reference r_I (see
     the module docstring), from one MMA of [k_i exp(gamma_i - r_I); scale q_i exp(gamma_i - r_I)]
     (kqp_s) with the column table km_j = k_j exp(r_I - gamma_j) over the first ``ncols`` columns
@@ -110,7 +111,11 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
             qv = T.cast(q_s[i, d], f32)
             kqp_s[r, d] = T.cast(kv * e, op)
             kqp_s[BS + r, d] = T.cast(qv * (e * scale), op)
-            Qg_out[ic, ih, i, d] = T.cast(qv * scale * T.exp2(gi * LOG2E), dtype)
+            eg = T.exp2(gi * LOG2E)
+            Qg_out[ic, ih, i, d] = T.cast(qv * scale * eg, dtype)
+            # q's row i is read only here, by this thread: it becomes beta_i k_i e^gamma_i, the W
+            # GEMM's operand (no second pass over k and gamma, no second exponential)
+            q_s[i, d] = T.cast(beta_s[i] * kv * eg, dtype)
             Kd_out[ic, ih, i, d] = T.cast(kv * T.exp2((gam_s[C - 1, d] - gi) * LOG2E), dtype)
         # sub-chunks J <= I only (a loop of I + 1 steps): the rows past them are neither computed
         # nor loaded (with a masked loop over all C rows, TileLang loaded k and gamma for the
@@ -152,10 +157,6 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     head = NCH > 0 and (2 * BS // 16) * (NCH // 8) >= threads // 32
     row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale) if head else None
     row_block = _row_block_macro(C, K, C, dtype, f32, scale)
-    VTPR = threads // C  # threads per row of v
-    VPT = V // VTPR  # v values per thread
-    if threads % C or V % VTPR:
-        raise ValueError(f"threads ({threads}) must be a multiple of chunk_size ({C}) dividing {C} * V")
 
     Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
     TT = T.dynamic("TT")
@@ -194,7 +195,6 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             Td_s = T.alloc_shared([NSUB, BS, BS], f32)
             tmp_s = T.alloc_shared([BS, C], f32)
             Ti_c = T.alloc_shared([C, C], dtype)
-            kb_s = T.alloc_shared([C, K], dtype)
             vb_s = T.alloc_shared([C, V], dtype)
             # W and U on their way out (16-byte rows instead of the fragment's 4-byte pieces);
             # TileLang places them over tiles dead by then
@@ -202,21 +202,37 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             uo_s = T.alloc_shared([C, V], dtype)
             T.annotate_layout({wo_s: tilelang.layout.make_swizzled_layout(wo_s),
                                uo_s: tilelang.layout.make_swizzled_layout(uo_s)})
-            v_r = T.alloc_local([VPT], dtype)  # this thread's piece of v: row vrow, VPT columns
 
             bos = Table[ic, 0]
             eos = Table[ic, 1]
 
             # ---- load (rows past the sequence end read as zero) and chunk-local cumsum ----
-            # q, k, beta are loaded with the gates, before the scan, so that all the chunk's global
-            # loads are in flight at once (q was read again in every row block and for Qg)
-            T.copy(G[bos : bos + C, ih, :], gam_s)  # rows past eos are masked in the scan
-            for i, d in T.Parallel(C, K):
-                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
-                q_s[i, d] = T.if_then_else(bos + i < eos, Q[bos + i, ih, d], T.cast(0, dtype))
+            # g, k and q by TMA, issued at once by one thread: the scan waits for g alone and runs
+            # while k and q arrive. Rows past the tensor's end arrive as zeros; rows past eos but
+            # inside the tensor (the next sequence's) are masked in the scan (g) and zeroed below
+            # (k, q; a branch only the chunks that end a sequence early take). As per-thread
+            # loads with a predicate per row, the 16-byte pieces' address arithmetic was 9% of
+            # the kernel's instructions and the scan waited for all of them (H200, S1: 1.31 ->
+            # 1.13 ms, same bits; 1.10 with v by TMA too). TMA needs 16-byte aligned tensors
+            # (chunk_kda_fwd checks).
+            bar_g = T.alloc_barrier(1)
+            bar_kq = T.alloc_barrier(1)
+            T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bar_g)
+            T.tma_copy(Kx[bos : bos + C, ih, :], k_s, barrier=bar_kq)
+            T.tma_copy(Q[bos : bos + C, ih, :], q_s, barrier=bar_kq)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(bar_g)
+                T.mbarrier_arrive(bar_kq)
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+            T.mbarrier_wait_parity(bar_g, 0)
             row_scan(gam_s, bos, eos)
+            T.mbarrier_wait_parity(bar_kq, 0)
+            if eos - bos < C:
+                for i, d in T.Parallel(C, K):
+                    if bos + i >= eos:
+                        k_s[i, d] = T.cast(0, dtype)
+                        q_s[i, d] = T.cast(0, dtype)
 
             # ---- Akk, Aqk by row block I, through the reference r_I = gamma[BS*I - 1] ----
             # two loops in the generated code (not unrolled: smaller code), the first half of the
@@ -234,29 +250,28 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
                 for I in T.serial(NSUB):
                     row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
 
-            # ---- beta k e^gamma and eC now (k, q and gamma die here); v into registers, stored
-            # after the solve, so that its global load is in flight during the solve ----
-            for i, d in T.Parallel(C, K):
-                kb_s[i, d] = T.cast(
-                    beta_s[i] * T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E), dtype)
+            # ---- eC now (k and gamma die here); v by TMA, in flight during the solve (issued
+            # only now: its tile lies over the row blocks' dead ones, which keeps two blocks per
+            # SM; loaded from the start it would not fit) ----
             for d in T.Parallel(K):
                 Ec_out[ic, ih, d] = T.exp2(gam_s[C - 1, d] * LOG2E)
-            tx = T.get_thread_binding()
-            vrow = tx // VTPR
-            vcol = (tx % VTPR) * VPT
-            for u in T.vectorized(VPT):
-                v_r[u] = T.if_then_else(bos + vrow < eos, Vx[bos + vrow, ih, vcol + u], T.cast(0, dtype))
+            bar_v = T.alloc_barrier(1)
+            T.tma_copy(Vx[bos : bos + C, ih, :], vb_s, barrier=bar_v)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(bar_v)
 
             # ---- Tinv = (I + L)^-1 in fp32 ----
             solve(L_s, Ti_s, Td_s, tmp_s)
 
             # ---- W = Tinv (beta k e^gamma), U = Tinv (beta v) ----
             T.copy(Ti_s, Ti_c)
-            for u in T.vectorized(VPT):
-                vb_s[vrow, vcol + u] = T.cast(beta_s[vrow] * T.cast(v_r[u], f32), dtype)
+            T.mbarrier_wait_parity(bar_v, 0)
+            for i, d in T.Parallel(C, V):  # beta v in place; rows past eos (another sequence's) zero
+                vb_s[i, d] = T.cast(
+                    T.if_then_else(bos + i < eos, beta_s[i] * T.cast(vb_s[i, d], f32), T.float32(0)), dtype)
             w_f = T.alloc_fragment([C, K], f32)
             u_f = T.alloc_fragment([C, V], f32)
-            T.gemm(Ti_c, kb_s, w_f, clear_accum=True)
+            T.gemm(Ti_c, q_s, w_f, clear_accum=True)  # q_s holds beta k e^gamma by now
             T.copy(w_f, wo_s)
             T.copy(wo_s, W_out[ic, ih, :, :])
             T.gemm(Ti_c, vb_s, u_f, clear_accum=True)
@@ -457,8 +472,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         chunk_size: C, a multiple of 16 (64 is the tuned value).
         dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
         scale: the output scale folded into Qg and Aqk (static; part of the cache key).
-        threads: per block, a multiple of chunk_size and of K and 16 times a divisor of 16
-            (ValueError otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
+        threads: per block, a multiple of K and 16 times a divisor of 16 (ValueError
+            otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
             measured 1.72 ms at S1 on an H200 against 2.3 ms with 128; 1.58 ms since q is read
             once with k and g, Qg and Kd are written in the row-block loop, the masked rows of the
             column factor take no exponential, v's load is issued before the solve and the
@@ -466,13 +481,17 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
             with nvcc fast math; 1.39 ms (S3 2.99 -> 2.71) with one MMA for a row block's Akk and
             Aqk and W, U stored by TMA (same bits); 1.34 ms (S3 2.69 -> 2.64, same bits) with the
             first half of the row blocks over the first half of the columns; ~1% less without
-            initialising the column table and the solve's lower blocks (same bits).
+            initialising the column table and the solve's lower blocks (same bits); 1.10 ms
+            (S3 2.59 -> 2.16, same bits) with g, k, q, v loaded by TMA (one thread issues them,
+            the scan waits for g alone).
         block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
             common factory signature.
     Returns:
         a compiled kernel taking (q[TT,H,K], k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32,
         table[NC,2] i32, W[NC,H,C,K], U[NC,H,C,V], Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C],
-        eC[NC,H,K] f32); the last six are written.
+        eC[NC,H,K] f32); the last six are written. q, k, v and g are read by TMA: their data
+        pointers must be 16-byte aligned (chunk_kda_fwd checks; TMA descriptors cannot be made
+        otherwise).
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
