@@ -222,12 +222,27 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             r2_f = T.alloc_fragment([C], f32)
             r3_f = T.alloc_fragment([C], f32)
 
-            for i, d in T.Parallel(C, K):
-                gam_s[i, d] = T.if_then_else(bos + i < eos, G[bos + i, ih, d], T.float32(0))
-                k_s[i, d] = T.if_then_else(bos + i < eos, Kx[bos + i, ih, d], T.cast(0, dtype))
+            # g and k by TMA (as in the forward's chunk-local kernel): the scan waits for g alone;
+            # rows past the tensor's end arrive as zeros, rows past eos inside it (the next packed
+            # sequence's) are masked in the scan (g) and zeroed here (k). Each later group of tiles
+            # comes by TMA too, at its first use. H200, S1: 1.58 -> 1.45 ms, same bits ("dv" with
+            # its loads by TMA at their first uses ran 1.5% slower, so it keeps per-thread loads)
+            bg = T.alloc_barrier(1)
+            T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bg)
+            bk = T.alloc_barrier(1)
+            T.tma_copy(Kx[bos : bos + C, ih, :], k_s, barrier=bk)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(bg)
+                T.mbarrier_arrive(bk)
             for i in T.Parallel(C):
                 beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
-            row_scan(gam_s, bos, eos)  # chunk-local cumsum
+            T.mbarrier_wait_parity(bg, 0)
+            row_scan(gam_s, bos, eos)  # chunk-local cumsum (rows past eos taken as 0)
+            T.mbarrier_wait_parity(bk, 0)
+            if eos - bos < C:
+                for i, d in T.Parallel(C, K):
+                    if bos + i >= eos:
+                        k_s[i, d] = T.cast(0, dtype)
 
             # ---- B (strict decayed K K^T), one [16, C] GEMM per row block ----
             for I in T.serial(NSUB):  # a loop, not unrolled: smaller code
@@ -267,15 +282,23 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
 
             # ---- dKb = X^T dW, dVb = X^T dU (operands loaded only now: short live ranges let the
             # shared-memory planner overlap them with the phases above) ----
-            T.copy(DW[ic, ih, :, :], dw_s)
-            T.copy(DU[ic, ih, :, :], du_s)
+            b1 = T.alloc_barrier(1)
+            T.tma_copy(DW[ic, ih, :, :], dw_s, barrier=b1)
+            T.tma_copy(DU[ic, ih, :, :], du_s, barrier=b1)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(b1)
+            T.mbarrier_wait_parity(b1, 0)
             T.gemm(Xc_s, dw_s, dkb_f, transpose_A=True, clear_accum=True)
             T.gemm(Xc_s, du_s, dvb_f, transpose_A=True, clear_accum=True)
             T.copy(dkb_f, dkb_s)
             T.copy(dvb_f, dvb_s)
             # ---- dA = -StrictTril(dKb W^T + dVb U^T) ----
-            T.copy(W[ic, ih, :, :], w_s)
-            T.copy(U[ic, ih, :, :], u_s)
+            b2 = T.alloc_barrier(1)
+            T.tma_copy(W[ic, ih, :, :], w_s, barrier=b2)
+            T.tma_copy(U[ic, ih, :, :], u_s, barrier=b2)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(b2)
+            T.mbarrier_wait_parity(b2, 0)
             T.gemm(dkb_s, w_s, da_f, transpose_B=True, clear_accum=True)
             T.gemm(dvb_s, u_s, da_f, transpose_B=True)
             for i, j in T.Parallel(C, C):
