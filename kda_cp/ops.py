@@ -376,14 +376,26 @@ def _tilelang_kernels():
 _TORCH = TorchBackend()
 
 
+#: The kernels read q, k, v, g by TMA, which needs 16-byte aligned data pointers (kernels.TMA_ALIGN).
+_TMA_ALIGN = 16
+
+
+def _aligned_dense(x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous and 16-byte aligned, else a contiguous, aligned copy."""
+    x = x.contiguous()
+    return x.clone() if x.data_ptr() % _TMA_ALIGN else x
+
+
 def dense_on_cuda(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Contiguous copies of strided CUDA inputs (the kernels read dense [B, T, H, *] rows).
+    """Contiguous, 16-byte aligned copies of strided or misaligned CUDA inputs (the kernels read
+    dense [B, T, H, *] rows, q/k/v/g by TMA); inputs already dense and aligned are returned as
+    they are.
 
     A layer's q, k, v are usually views of one fused projection; copying them costs far less than
-    running the op off the kernels. CPU tensors are returned as they are (the torch backend reads
-    any strides).
+    running the op off the kernels (the torch fallback). CPU tensors are returned as they are (the
+    torch backend reads any strides).
     """
-    return tuple(x.contiguous() if x.is_cuda else x for x in xs)
+    return tuple(_aligned_dense(x) if x.is_cuda else x for x in xs)
 
 
 def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0,

@@ -43,7 +43,8 @@ def test_validation_messages_show_shapes():
 
 def test_unaligned_inputs_are_an_error():
     """q, k, v and g are read by TMA, which needs 16-byte aligned data pointers: a contiguous view
-    at an odd storage offset is refused with a clear error (and not claimed by is_supported)."""
+    at an odd storage offset is refused with a clear error by both forward entry points (checked
+    before any CUDA work, so on the CPU too)."""
     q, k, v, g, beta = _inputs()
     for name in ("q", "k", "v", "g"):
         x = {"q": q, "k": k, "v": v, "g": g}[name]
@@ -52,6 +53,8 @@ def test_unaligned_inputs_are_an_error():
         args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, name: shifted}
         with pytest.raises(ValueError, match=f"{name} starts at a data pointer that is not 16-byte aligned"):
             kernels.chunk_kda_fwd(args["q"], args["k"], args["v"], args["g"], args["beta"], scale=0.1)
+        with pytest.raises(ValueError, match=f"{name} starts at a data pointer that is not 16-byte aligned"):
+            kernels.chunk_kda_fwd_prepare(args["q"], args["k"], args["v"], args["g"], args["beta"], scale=0.1)
 
 
 def test_too_many_sequences_is_an_error():

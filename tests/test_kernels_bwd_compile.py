@@ -53,7 +53,8 @@ def test_bwd_ut_compiles(K, dtype):
     # 1.45 ms, same bits); no per-thread global loads of them remain
     for desc in ("G_desc", "Kx_desc", "DW_desc", "DU_desc", "W_desc", "U_desc"):
         assert f"tl::tma_load({desc}," in src, desc
-    assert "(G +" not in src and "(Kx +" not in src
+    for name in ("G", "Kx", "DW", "DU", "W", "U"):  # no per-thread global loads of them, vector or scalar
+        assert f"({name} +" not in src and f" {name}[" not in src and f"({name}[" not in src, name
     assert src.index("bg[0].wait(0)") < src.index("bk[0].wait(0)")
 
 

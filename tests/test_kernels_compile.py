@@ -44,7 +44,8 @@ def test_intra_compiles(K, dtype):
     # H200 1.31 -> 1.10 ms, same bits); the scan waits for g alone
     for desc in ("G_desc", "Kx_desc", "Q_desc", "Vx_desc"):
         assert f"tl::tma_load({desc}," in src, desc
-    assert "(Kx +" not in src and "(Q +" not in src and "(Vx +" not in src and "(G +" not in src
+    for name in ("G", "Kx", "Q", "Vx"):  # no per-thread global loads of them, vector or scalar
+        assert f"({name} +" not in src and f"{name}[" not in src, name
     assert src.index("bar_g[0].wait(0)") < src.index("bar_kq[0].wait(0)") < src.index("bar_v[0].wait(0)")
     assert "kqp_s" in src and "kp_s" not in src.replace("kqp_s", "")
 

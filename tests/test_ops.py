@@ -179,3 +179,21 @@ def test_a_chunk_longer_than_the_sequence_costs_only_the_sequence(inputs):
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o_big, o, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ht_big, ht, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_inputs_are_made_aligned_for_the_kernels():
+    """What dense_on_cuda does to each CUDA input (the kernels read q, k, v, g by TMA: 16-byte
+    aligned rows): a dense aligned tensor is passed through, a strided one or a dense one at an odd
+    storage offset becomes an aligned copy with the same values (so the op runs on the kernels
+    instead of falling back to torch)."""
+    from kda_cp.ops import _aligned_dense
+
+    x = torch.randn(2, 8, 4, 64).bfloat16()
+    assert _aligned_dense(x) is x
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)
+    assert shifted.data_ptr() % 16
+    y = _aligned_dense(shifted)
+    assert y.data_ptr() % 16 == 0 and y.is_contiguous() and torch.equal(y, x)
+    strided = torch.randn(2, 8, 4, 128).bfloat16()[..., :64]
+    z = _aligned_dense(strided)
+    assert z.is_contiguous() and z.data_ptr() % 16 == 0 and torch.equal(z, strided)

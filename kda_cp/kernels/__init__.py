@@ -41,9 +41,9 @@ def _hopper(device: torch.device) -> bool:
 #: sequences).
 MAX_GRID_YZ = 65535
 
-#: Byte alignment of q, k, v and g's data pointers: the chunk-local kernel reads them by TMA, whose
-#: descriptors need a 16-byte aligned global address (fresh tensors are; a view with an odd storage
-#: offset may not be).
+#: Byte alignment of q, k, v and g's data pointers: the forward's chunk-local kernel reads them by
+#: TMA (and the backward's "ut" k and g), whose descriptors need a 16-byte aligned global address
+#: (fresh tensors are; a view with an odd storage offset may not be). chunk_kda copies such inputs.
 TMA_ALIGN = 16
 
 
@@ -93,19 +93,19 @@ def _check(name, t, shape, dtypes, aligned=False):
         raise ValueError(f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be contiguous")
     if aligned and t.data_ptr() % TMA_ALIGN:
         raise ValueError(f"{name} starts at a data pointer that is not {TMA_ALIGN}-byte aligned (storage offset "
-                         f"{t.storage_offset()}): the chunk-local kernel reads it by TMA; pass a fresh "
+                         f"{t.storage_offset()}): the chunk kernels read it by TMA; pass a fresh "
                          f"tensor (e.g. {name}.clone())")
 
 
-def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min):
+def _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, aligned=True):
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q and v must be 4-D, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES, aligned=True)
-    _check("k", k, (B, T, H, K), (q.dtype,), aligned=True)
-    _check("v", v, (B, T, H, V), (q.dtype,), aligned=True)
-    _check("g", g, (B, T, H, K), (torch.float32,), aligned=True)
+    _check("q", q, (B, T, H, K), _SUPPORTED_DTYPES, aligned)
+    _check("k", k, (B, T, H, K), (q.dtype,), aligned)
+    _check("v", v, (B, T, H, V), (q.dtype,), aligned)
+    _check("g", g, (B, T, H, K), (torch.float32,), aligned)
     _check("beta", beta, (B, T, H), (torch.float32, q.dtype))
     if K not in SUPPORTED_HEAD_DIMS or V != K:
         raise ValueError(f"head dims K={K}, V={V}: need K == V in {SUPPORTED_HEAD_DIMS} "
@@ -410,13 +410,13 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     Returns:
         (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch, k, v or g not TMA_ALIGN-byte
-        aligned, or more than MAX_GRID_YZ batch rows or heads.
+        ValueError on a shape, dtype, contiguity or option mismatch, or more than MAX_GRID_YZ
+        batch rows or heads.
     Numerics: cumsum, exponentials and the triangular solve in fp32 on CUDA cores; every GEMM is a
         3xTF32 split (never plain TF32 or bf16), so M keeps fp32 accuracy (measured relative RMS vs
         fp64 over 1000 tokens: M 1.8e-5, S_tilde 1.4e-6).
     """
-    B, T, H, K, V = _validate(k, k, v, g, beta, None, chunk_size, g_min)
+    B, T, H, K, V = _validate(k, k, v, g, beta, None, chunk_size, g_min, aligned=False)  # no TMA reads
     from .intra import build_intra_summary_kernel
     dev = k.device
     C = chunk_size

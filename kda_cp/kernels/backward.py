@@ -102,8 +102,8 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
          dbeta [B,T,H] in beta's dtype; dh0 [N,H,K,V] fp32).
     Raises:
         ValueError on a shape, dtype, contiguity or option mismatch (the message shows the shapes),
-        more than MAX_GRID_YZ sequences or heads, or a ``prepared`` made for other inputs or already
-        consumed.
+        q, k, v or g not TMA_ALIGN-byte aligned, more than MAX_GRID_YZ sequences or heads, or a
+        ``prepared`` made for other inputs or already consumed.
     Numerics: cumsums, exponentials, triangular solve, states and state gradients in fp32; GEMM
         operands in the input dtype (decayed products in bf16), fp32 accumulation.
     """
@@ -203,8 +203,8 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
     Returns:
         dh0 [N, H, K, V] fp32 (N = B, or the number of sequences), one row per sequence.
     Raises:
-        ValueError on a shape, dtype, contiguity or option mismatch, more than MAX_GRID_YZ sequences or
-        heads, or a ``prepared`` made for other inputs.
+        ValueError on a shape, dtype, contiguity or option mismatch, q, k, v or g not TMA_ALIGN-byte
+        aligned, more than MAX_GRID_YZ sequences or heads, or a ``prepared`` made for other inputs.
     """
     from .bwd_state import build_bwd_state_kernel
 

@@ -545,6 +545,8 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K], U[NC,H,C,V], dW[NC,H,C,K], dU[NC,H,C,V], dv[TT,H,V], dbeta[TT,H] f32,
     dB[NC,H,C,C] bf16, dGk[NC,H,C,K] bf16); dv, dbeta (valid rows), dB and dGk are written.
+    k, g, W, U, dW and dU are read by TMA: 16-byte aligned data pointers (chunk_kda_bwd checks k
+    and g; W, U, dW, dU are the package's own allocations).
     threads: 256 (two blocks per SM) or 128; a multiple of K (the gate cumsum) and 16 times a
     divisor of 16 (the solve), ValueError otherwise.
     """
