@@ -376,14 +376,13 @@ def _tilelang_kernels():
 _TORCH = TorchBackend()
 
 
-#: The kernels read q, k, v, g by TMA, which needs 16-byte aligned data pointers (kernels.TMA_ALIGN).
-_TMA_ALIGN = 16
-
-
 def _aligned_dense(x: torch.Tensor) -> torch.Tensor:
-    """x itself when contiguous and 16-byte aligned, else a contiguous, aligned copy."""
+    """x itself when contiguous and kernels.TMA_ALIGN-byte aligned (the kernels read q, k, v, g by
+    TMA), else a contiguous, aligned copy."""
+    from kda_cp.kernels import TMA_ALIGN  # torch only: no tilelang import
+
     x = x.contiguous()
-    return x.clone() if x.data_ptr() % _TMA_ALIGN else x
+    return x.clone() if x.data_ptr() % TMA_ALIGN else x
 
 
 def dense_on_cuda(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
