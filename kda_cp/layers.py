@@ -29,10 +29,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kda_cp import glue
 from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
-from kda_cp.parallel.conv import causal_conv1d
+from kda_cp.parallel.conv import causal_conv1d, halo_exchange
 from kda_cp.parallel.attention import cp_attention
 from kda_cp.parallel.cp import cp_chunk_kda
+from kda_cp.parallel.exchange import group_rank_and_size
+from kda_cp.parallel.sharding import shard_lengths
 from kda_cp.parallel.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
@@ -154,10 +157,17 @@ class KDALayer(nn.Module):
             and backward in the same order.
         cp_strategy: "scan" (default) or "ulysses" (needs num_heads % P == 0 and equal shards).
         ulysses_impl: "auto", "deepspeed" or "torch" (see kda_cp.parallel.ulysses).
+        cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (B = 1), the same on every CP
+            rank; neither the short conv nor the recurrence crosses a sequence start.
         Returns y: [B, T, D] in x's dtype.
+
+    On CUDA the glue around the KDA op (conv + SiLU + L2Norm, gate and beta, RMSNorm times the
+    output gate) runs as fused kernels compiled by torch.compile (:mod:`kda_cp.glue`); on CPU the
+    same functions run eagerly.
 
     Raises:
         ValueError: x not [B, T, d_model], or an unknown cp_strategy.
+        NotImplementedError: cu_seqlens with cp_strategy="ulysses".
     """
 
     def __init__(self, config: KDAConfig) -> None:
@@ -201,45 +211,58 @@ class KDALayer(nn.Module):
         """
         c = self.config
         B, T, _ = x.shape
-        cdt = torch.promote_types(x.dtype, torch.float32)
-        z = self.g_up(self.g_down(x)).to(cdt).view(B, T, c.num_heads, c.head_dim)
-        return c.g_min * torch.sigmoid(z * self.A_log.to(cdt).exp()[:, None])
+        z = F.linear(self.g_down(x), self.g_up.weight).view(B, T, c.num_heads, c.head_dim)
+        return glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min)[0]
 
-    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto",
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         if cp_strategy not in CP_STRATEGIES:
-            raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
+            raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
+        if cu_seqlens is not None and cp_strategy == "ulysses":
+            raise NotImplementedError("cu_seqlens with cp_strategy='ulysses' is not supported; use 'scan'")
         B, T, _ = x.shape
         H, K, V = c.num_heads, c.head_dim, c.v_dim
-        qkv = self.qkv_proj(x)
+        rank, size = group_rank_and_size(cp_group)
+        if cu_seqlens is not None:
+            cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
+        # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM (one input
+        # gradient in backward instead of four summed).
+        og_first = self.og_proj[0]
+        widths = [self.qkv_proj.out_features, self.g_down.out_features, H, og_first.out_features]
+        w_in = torch.cat([self.qkv_proj.weight, self.g_down.weight, self.b_proj.weight, og_first.weight])
+        qkv, zd, b, og = F.linear(x, w_in).split(widths, dim=-1)
+        if len(self.og_proj) > 1:
+            og = self.og_proj[1](og)
+        # Short conv + SiLU + L2Norm of q, k in one fused pass (kda_cp.glue); under CP the W-1 rows
+        # before the shard (the halo) come from the previous ranks and feed the taps directly.
+        weight = halo = lags = None
         if c.conv_size > 0:
-            qkv = self.qkv_conv(qkv, cp_group)
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        # .to(qkv.dtype): autocast runs the norm in fp32; the KDA op wants q, k, v in one dtype.
-        q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps).to(qkv.dtype)
-        k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps).to(qkv.dtype)
-        v = F.silu(v).view(B, T, H, V)
-        g = self.gate(x)
-        beta = torch.sigmoid(self.b_proj(x))
+            weight, start = self.qkv_conv.weight, 0
+            if size > 1:
+                lengths = shard_lengths(qkv, cp_group)
+                start = sum(lengths[:rank])
+                halo = halo_exchange(qkv, c.conv_size - 1, cp_group, lengths)
+            if cu_seqlens is not None:
+                lags = glue.lags_in_sequence(cu_seqlens, start, T, c.conv_size - 1, x.device)
+        q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, H * V), K, c.norm_eps, halo=halo, lags=lags)
+        z = F.linear(zd, self.g_up.weight).view(B, T, H, K)
+        g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b)
         # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] and beta in
         # [0, 1] by construction, and a NaN from upstream reaches the loss, which training checks
         # every step; the checks would cost a read of q, k, v, g and a device sync per layer.
-        if cp_group is not None and cp_strategy == "ulysses":
-            o = ulysses_kda(
-                q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min,
-                impl=ulysses_impl, check_gate=False,
-            )
-        elif cp_group is not None:  # cp_chunk_kda is chunk_kda for a group of size 1
-            o, _ = cp_chunk_kda(
-                q, k, v, g, beta, cp_group=cp_group, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min,
-                check_gate=False,
-            )
+        kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
+        if size > 1 and cp_strategy == "ulysses":
+            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=ulysses_impl, **kw)
+        elif size > 1:
+            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
-        o = self.o_norm(o) * torch.sigmoid(self.og_proj(x)).view(B, T, H, V)
-        return self.o_proj(o.reshape(B, T, H * V))
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
+        # Per-head RMSNorm times the sigmoid output gate in one fused pass.
+        o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
+        return self.o_proj(o)
 
 
 @dataclass

@@ -60,6 +60,12 @@ class ModelConfig:
     """Chunk length of the KDA op."""
     backend: str = "auto"
     """KDA op backend: "auto", "torch" or "tilelang"."""
+    output_gate_rank: int | None = None
+    """Rank of the KDA layers' sigmoid output gate; None means full rank."""
+    kda_impl: str = "kda_cp"
+    """Which KDA layer the "K" blocks use: "kda_cp" (:class:`kda_cp.layers.KDALayer`) or "fla"
+    (flash-linear-attention's layer, :class:`kda_cp.peer.FlaKDALayer`, for side-by-side runs: an
+    optional dependency, one GPU, needs output_gate_rank = head_dim)."""
     layer_pattern: str = "K"
     """Token mixer of each block, repeated cyclically over n_layers: "K" KDA, "A" full attention
     (NoPE, causal). "KKKA" is Kimi Linear's 3:1 hybrid; "K" a pure KDA model."""
@@ -77,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.mlp_hidden must be >= 1 or None (8/3 d_model rounded to 64), got {self.mlp_hidden}")
         if not (self.init_std > 0 and math.isfinite(self.init_std)):
             raise ValueError(f"ModelConfig.init_std must be > 0 and finite, got {self.init_std}")
+        if self.kda_impl not in ("kda_cp", "fla"):
+            raise ValueError(f"model.kda_impl must be 'kda_cp' or 'fla', got {self.kda_impl!r}")
         if "K" in self.layer_pattern:
             self.kda_config()  # its checks (chunk_size, backend, ...) at config time, not at the first forward
 
@@ -94,6 +102,7 @@ class ModelConfig:
             head_dim=self.head_dim,
             conv_size=self.conv_size,
             gate_rank=self.gate_rank,
+            output_gate_rank=self.output_gate_rank,
             g_min=self.g_min,
             chunk_size=self.chunk_size,
             norm_eps=self.norm_eps,
@@ -127,7 +136,14 @@ class Block(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = KDALayer(config.kda_config()) if mixer == "K" else AttentionLayer(config.attention_config())
+        if mixer == "A":
+            self.attn = AttentionLayer(config.attention_config())
+        elif config.kda_impl == "fla":
+            from kda_cp.peer import FlaKDALayer
+
+            self.attn = FlaKDALayer(config.kda_config())
+        else:
+            self.attn = KDALayer(config.kda_config())
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden)
 
@@ -225,10 +241,10 @@ def train_flops_per_token(model: KDALanguageModel, seq_len: int) -> float:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             fwd += 2.0 * m.in_features * m.out_features
-        elif isinstance(m, KDALayer):
+        elif isinstance(m, KDALayer) or type(m).__name__ == "FlaKDALayer":
             c = m.config
             if c.conv_size > 0:
-                fwd += 2.0 * c.conv_size * m.qkv_conv.weight.shape[0]
+                fwd += 2.0 * c.conv_size * c.num_heads * (2 * c.head_dim + c.v_dim)
             C, K, V = c.chunk_size, c.head_dim, c.v_dim
             fwd += c.num_heads * 2.0 * (3 * C * K + 2 * C * V + 3 * K * V)
         elif isinstance(m, AttentionLayer):

@@ -23,7 +23,7 @@ import torch
 
 from kda_cp import reference
 
-__all__ = ["chunk_kda", "KDAOptions", "Backend", "get_backend", "check_inputs", "BackendName"]
+__all__ = ["chunk_kda", "KDAOptions", "Backend", "get_backend", "check_inputs", "apply_input_options", "BackendName"]
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +433,54 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
     return _TORCH
 
 
+def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                        dt_bias=None, use_beta_sigmoid_in_kernel=False, g_min: float | None = -5.0):
+    """The input transforms that chunk_kda and cp_chunk_kda take as options (flash-linear-attention's
+    names), differentiable, fused on CUDA (:mod:`kda_cp.glue`).
+
+    Math: q, k <- x / max(||x||_2, 1e-6) per head; g <- g_min * sigmoid(exp(A_log_h) * (g + dt_bias))
+    (g_min set) or -exp(A_log_h) * softplus(g + dt_bias) (g_min None); beta <- sigmoid(beta).
+
+    Returns:
+        (q, k, g, beta): g and beta in fp32 (fp64 for fp64) where transformed, else as given.
+
+    Raises:
+        ValueError: A_log or dt_bias given without use_gate_in_kernel, A_log missing or not [H],
+            dt_bias not [H * K] or [H, K], or g not [B, T, H, K] with q's H and K.
+    """
+    from kda_cp import glue
+
+    for name, x in (("q", q), ("k", k), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point torch.Tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
+        raise ValueError("A_log and dt_bias are the gate's parameters: pass them with use_gate_in_kernel=True")
+    if use_qk_l2norm_in_kernel:
+        q, k = glue.l2_norm(q), glue.l2_norm(k)
+    if use_gate_in_kernel:
+        if q.dim() != 4 or g.shape != q.shape:
+            raise ValueError(f"with use_gate_in_kernel, g (the gate's pre-activation) must be [B, T, H, K] like q "
+                             f"{list(q.shape)}, got {_shape(g)}")
+        H, K = q.shape[2], q.shape[3]
+        if not isinstance(A_log, torch.Tensor) or tuple(A_log.shape) != (H,) or not A_log.is_floating_point():
+            raise ValueError(f"A_log must be a float tensor [H] = [{H}] with use_gate_in_kernel, got "
+                             f"{_shape(A_log) if isinstance(A_log, torch.Tensor) else A_log!r}")
+        if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or not dt_bias.is_floating_point()
+                                    or tuple(dt_bias.shape) not in ((H * K,), (H, K))):
+            raise ValueError(f"dt_bias must be a float tensor [H * K] = [{H * K}] or [H, K] = [{H}, {K}], got "
+                             f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else dt_bias!r}")
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None and x.device != g.device:
+                raise ValueError(f"{name} is on {x.device} but g is on {g.device}")
+        g, b = glue.kda_gate(g, A_log, dt_bias, g_min, beta if use_beta_sigmoid_in_kernel else None)
+        if use_beta_sigmoid_in_kernel:
+            beta = b
+    elif use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+    return q, k, g, beta
+
+
 # --------------------------------------------------------------------------------------------
 # Autograd and the public op
 # --------------------------------------------------------------------------------------------
@@ -480,6 +528,11 @@ def chunk_kda(
     backend: BackendName = "auto",
     check_gate: bool = True,
     g_min: float | None = -5.0,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
 
@@ -505,6 +558,13 @@ def chunk_kda(
         g_min: the declared lower bound of g, in [-5, 0) (Kimi K3: g = g_min * sigmoid(.), g_min = -5
             by default); the TileLang kernels rely on it to keep exp(+-cumsum(g)) in range over a
             16-token sub-chunk. None declares no bound (torch backend only, any g <= 0).
+        use_qk_l2norm_in_kernel: L2-normalize q and k per head first (x / max(||x||, 1e-6)).
+        use_gate_in_kernel: g is the gate's pre-activation [B, T, H, K]; the op applies
+            g_min * sigmoid(exp(A_log) * (g + dt_bias)), or -exp(A_log) * softplus(g + dt_bias)
+            when g_min is None (torch backend only). A_log: [H]; dt_bias: [H * K] or [H, K] or None.
+        use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid.
+            These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
+            differentiable in every input, A_log and dt_bias included.
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -513,8 +573,10 @@ def chunk_kda(
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
             the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
-            (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale.
-        NotImplementedError: backend="tilelang" for inputs the kernels do not cover.
+            (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale,
+            A_log not [H] or dt_bias not [H * K] / [H, K] with use_gate_in_kernel.
+        NotImplementedError: backend="tilelang" for inputs the kernels do not cover; double
+            backward (create_graph=True).
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
@@ -522,6 +584,11 @@ def chunk_kda(
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # a list of offsets
         cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64,
                                   device=q.device if isinstance(q, torch.Tensor) else None)
+    if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
+            or dt_bias is not None:
+        q, k, g, beta = apply_input_options(
+            q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
     check_scale(scale)
     q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)

@@ -58,7 +58,7 @@ def test_model_shapes():
     assert untied.head.weight is not untied.embed.weight
 
 
-def _layer_body(rank, world_size, state, x, dy, lengths):
+def _layer_body(rank, world_size, state, x, dy, lengths, cu=None):
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -67,23 +67,29 @@ def _layer_body(rank, world_size, state, x, dy, lengths):
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
     x_r = x[:, sl].clone().requires_grad_(True)
-    y_r = layer(x_r, cp_group=dist.group.WORLD)
+    y_r = layer(x_r, cp_group=dist.group.WORLD, cu_seqlens=cu)
     (y_r * dy[:, sl]).sum().backward()
     return {"y": y_r.detach(), "dx": x_r.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
 
 
-@pytest.mark.parametrize("lengths", [[29, 21], [10, 25, 15]], ids=["p2-uneven", "p3-uneven"])
-def test_layer_cp_matches_unsharded(lengths):
+@pytest.mark.parametrize("lengths,cu", [
+    ([29, 21], None), ([10, 25, 15], None),
+    # packed sequences crossing rank boundaries, one starting 1 and 2 tokens before a shard (inside the conv halo)
+    ([29, 21], [0, 3, 27, 50]), ([10, 25, 15], [0, 9, 12, 33, 34, 50]), ([13, 12, 14, 11], [0, 11, 12, 37, 50]),
+    ([20, 2, 1, 27], [0, 21, 22, 50]),  # shards shorter than the conv's halo of 3 rows
+], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards"])
+def test_layer_cp_matches_unsharded(lengths, cu):
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**CFG)), 7)
     T = sum(lengths)
-    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(2, T, 32, dtype=torch.float64)
-    y = layer(x)
+    B = 1 if cu else 2
+    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(B, T, 32, dtype=torch.float64)
+    y = layer(x, cu_seqlens=None if cu is None else torch.tensor(cu))
     (y * dy).sum().backward()
     state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
 
-    res = run_ranks(_layer_body, len(lengths), state, x.detach(), dy, lengths)
+    res = run_ranks(_layer_body, len(lengths), state, x.detach(), dy, lengths, cu)
     torch.testing.assert_close(torch.cat([r["y"] for r in res], 1), y.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(torch.cat([r["dx"] for r in res], 1), x.grad, rtol=1e-10, atol=1e-10)
     for name, p in layer.named_parameters():

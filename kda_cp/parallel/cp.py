@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import (Backend, BackendName, KDAOptions, check_inputs, check_scale, chunk_kda, dense_on_cuda,
-                        get_backend)
+from kda_cp.ops import (Backend, BackendName, KDAOptions, apply_input_options, check_inputs, check_scale, chunk_kda,
+                        dense_on_cuda, get_backend)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
@@ -346,6 +346,11 @@ def cp_chunk_kda(
     scan_method: scan.ScanMethod = "log_depth",
     check_gate: bool = True,
     g_min: float | None = -5.0,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
@@ -365,6 +370,9 @@ def cp_chunk_kda(
         cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
             same on every rank; sequences may cross any number of rank boundaries.
         chunk_size, backend, check_gate, g_min: as in :func:`kda_cp.chunk_kda`.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel: as
+            in :func:`kda_cp.chunk_kda` (per-token transforms, applied to each shard; A_log and
+            dt_bias are replicated, their gradients this rank's share).
         exchange: "allgather" (P pairs to every rank, then each folds those before it), "p2p" (log-depth scan
             over point-to-point sends), or "auto" (all-gather up to P2P_ABOVE ranks).
         scan_method: schedule of a rank's fold after an all-gather: "log_depth" (a pairwise tree)
@@ -391,6 +399,12 @@ def cp_chunk_kda(
     rank, size = group_rank_and_size(cp_group)
     error, cu_code, unsupported = None, [0, 0], None
     try:
+        if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
+                or dt_bias is not None:
+            q, k, g, beta = apply_input_options(
+                q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min)
         if scan_method not in ("sequential", "log_depth"):
             raise ValueError(f"scan_method must be 'sequential' or 'log_depth', got {scan_method!r}")
         if cu_seqlens is not None:

@@ -1,0 +1,191 @@
+"""One KDA layer, forward and forward+backward, side by side with flash-linear-attention's layer.
+
+Usage (on a Hopper GPU):
+    python scripts/bench_layer.py --out bench_layer.json [--shapes L1 L2 L3] [--repeats 10]
+        [--profile] [--no-fla]
+
+Shapes (head_dim 128, bf16 weights and input): L1 = (B=1, T=32768, D=2048, H=16),
+L2 = (B=1, T=65536, D=1024, H=8), L3 = (B=2, T=16384, D=2304, H=32); "tiny" runs anywhere.
+
+Both layers have the same parameterization: kda_cp.layers.KDALayer with output_gate_rank =
+head_dim (a low-rank output gate with a bias, as the peer's g_proj) and g_min = -5, against
+fla.layers.kda.KimiDeltaAttention(safe_gate=True, lower_bound=-5) built by kda_cp.peer.FlaKDALayer.
+The peer's weights are copied into kda_cp's layer, so the outputs and input gradients of the two
+are compared too (a cross-check, not a test).
+
+Measured per layer (median over --repeats of CUDA-event timings, after an untimed warm-up call
+that runs torch.compile's and the peer's autotuning, reported as warmup_s):
+    fwd_ms      forward under no_grad
+    fwd_bwd_ms  forward, then torch.autograd.grad of <y, dy> for x and every parameter
+    peak_MiB    allocator peak during forward+backward above the memory in use before it
+With --profile, CUDA time per kernel (torch.profiler, mean of 3 calls) of each layer's
+forward+backward, printed and stored under "profile". Prints a markdown table, writes JSON to --out.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from _bench import time_ms
+from bench_backward import kernel_table, peak_above_base, print_table, rel
+
+from kda_cp.layers import KDAConfig, KDALayer
+
+LAYER_SHAPES = {
+    "L1": dict(B=1, T=32768, D=2048, H=16),
+    "L2": dict(B=1, T=65536, D=1024, H=8),
+    "L3": dict(B=2, T=16384, D=2304, H=32),
+    "tiny": dict(B=1, T=300, D=256, H=2),
+}
+HEAD_DIM = 128
+
+
+def layer_config(D, H, backend):
+    return KDAConfig(d_model=D, num_heads=H, head_dim=HEAD_DIM, output_gate_rank=HEAD_DIM, g_min=-5.0,
+                     chunk_size=64, backend=backend)
+
+
+@torch.no_grad()
+def copy_from_fla(ours: KDALayer, peer) -> None:
+    """Load the peer layer's weights into kda_cp's layer (the same function, stacked differently)."""
+    p = peer.inner
+    ours.qkv_proj.weight.copy_(torch.cat([p.q_proj.weight, p.k_proj.weight, p.v_proj.weight]))
+    ours.qkv_conv.weight.copy_(torch.cat([c.weight[:, 0] for c in (p.q_conv1d, p.k_conv1d, p.v_conv1d)]))
+    ours.g_down.weight.copy_(p.f_proj[0].weight)
+    ours.g_up.weight.copy_(p.f_proj[1].weight)
+    ours.g_up.bias.copy_(p.dt_bias)
+    ours.A_log.copy_(p.A_log)
+    ours.b_proj.weight.copy_(p.b_proj.weight)
+    ours.og_proj[0].weight.copy_(p.g_proj[0].weight)
+    ours.og_proj[1].weight.copy_(p.g_proj[1].weight)
+    ours.og_proj[1].bias.copy_(p.g_proj[1].bias)
+    ours.o_norm.weight.copy_(p.o_norm.weight)
+    ours.o_proj.weight.copy_(p.o_proj.weight)
+
+
+def measure(layer, x, dy, repeats, profile):
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def fwd():
+        with torch.no_grad():
+            return layer(x)
+
+    def fwd_bwd():
+        y = layer(x)
+        return torch.autograd.grad(y, [x, *params], dy)
+
+    t0 = time.time()
+    fwd_bwd()
+    fwd()
+    torch.cuda.synchronize() if x.is_cuda else None
+    row = {"warmup_s": time.time() - t0}
+    dev = x.device.type
+    row["fwd_ms"] = time_ms(fwd, repeats, device=dev)
+    row["fwd_bwd_ms"] = time_ms(fwd_bwd, repeats, device=dev)
+    if x.is_cuda:
+        row["peak_MiB"] = peak_above_base(fwd_bwd)
+        if profile:
+            row["profile"] = kernel_table(fwd_bwd)
+    return row
+
+
+def bench_shape(name, repeats, profile, with_fla):
+    s = LAYER_SHAPES[name]
+    B, T, D, H = s["B"], s["T"], s["D"], s["H"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(B, T, D, generator=gen, device=dev).to(dt).requires_grad_(True)
+    dy = torch.randn(B, T, D, generator=gen, device=dev).to(dt)
+    torch.manual_seed(0)
+    ours = KDALayer(layer_config(D, H, "tilelang" if dev == "cuda" else "torch")).to(dev, dt)
+    out = {"shape": {"name": name, **s, "head_dim": HEAD_DIM}}
+    peer = None
+    if with_fla:
+        from kda_cp.peer import FlaKDALayer
+
+        torch.manual_seed(0)
+        peer = FlaKDALayer(layer_config(D, H, "auto")).to(dev, dt)
+        with torch.no_grad():  # move the peer's parameters off their init (norm weights 1, A_log 0)
+            for prm in peer.parameters():
+                prm.mul_(1 + 0.1 * torch.randn_like(prm))
+        copy_from_fla(ours, peer)
+    out["kda_cp"] = measure(ours, x, dy, repeats, profile)
+    if peer is not None:
+        out["fla"] = measure(peer, x, dy, repeats, profile)
+        y_a, dx_a = ours(x), None
+        (dx_a,) = torch.autograd.grad(y_a, x, dy)
+        y_b = peer(x)
+        (dx_b,) = torch.autograd.grad(y_b, x, dy)
+        out["cross_check"] = {"y_rel_rms": rel(y_a.float(), y_b.float()), "dx_rel_rms": rel(dx_a.float(), dx_b.float())}
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            out[f"speedup_{key}"] = out["fla"][key] / out["kda_cp"][key]
+        out["peak_ratio"] = out["kda_cp"]["peak_MiB"] / out["fla"]["peak_MiB"]
+    del ours, peer, x, dy
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_rows(rows):
+    print("\n| shape | layer | forward ms | fwd+bwd ms | peak MiB | fwd speedup | fwd+bwd speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        n = r["shape"]["name"]
+        for impl in ("kda_cp", "fla"):
+            if impl not in r:
+                continue
+            m = r[impl]
+            sp = (f"{r['speedup_fwd_ms']:.2f}x", f"{r['speedup_fwd_bwd_ms']:.2f}x") if impl == "kda_cp" and "fla" in r else ("", "")
+            print(f"| {n} | {impl} | {m['fwd_ms']:.2f} | {m['fwd_bwd_ms']:.2f} | {m.get('peak_MiB', float('nan')):.0f} "
+                  f"| {sp[0]} | {sp[1]} |")
+    for r in rows:
+        if "cross_check" in r:
+            c = r["cross_check"]
+            print(f"{r['shape']['name']}: kda_cp vs fla with the same weights: y rel RMS {c['y_rel_rms']:.2e}, "
+                  f"dx rel RMS {c['dx_rel_rms']:.2e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["L1", "L2", "L3"], choices=list(LAYER_SHAPES))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default="bench_layer.json")
+    args = ap.parse_args()
+    with_fla = not args.no_fla
+    if with_fla:
+        try:
+            import fla  # noqa: F401
+        except ImportError:
+            print("flash-linear-attention is not installed: timing kda_cp alone (pip install flash-linear-attention)")
+            with_fla = False
+    if with_fla and not torch.cuda.is_available():
+        print("no CUDA device: timing kda_cp alone (the peer needs a GPU)")
+        with_fla = False
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if with_fla:
+        import fla
+
+        meta["fla"] = getattr(fla, "__version__", "?")
+    rows = []
+    for name in args.shapes:
+        rows.append(bench_shape(name, args.repeats, args.profile, with_fla))
+        if args.profile:
+            for impl in ("kda_cp", "fla"):
+                if "profile" in rows[-1].get(impl, {}):
+                    print_table(f"{name} {impl} forward+backward", rows[-1][impl]["profile"])
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kda_cp", "fla")}), flush=True)
+        with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print_rows(rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

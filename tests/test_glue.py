@@ -1,0 +1,118 @@
+"""The fused layer glue (kda_cp.glue): its math equals the unfused layer in fp64, its compiled form
+equals its eager form, and packed sequences do not mix in the short convolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_cp import glue
+from kda_cp.layers import KDAConfig, KDALayer
+from kda_cp.ops import chunk_kda
+from kda_cp.parallel.conv import causal_conv1d
+
+from tests._utils import perturbed
+
+
+def unfused_forward(layer: KDALayer, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """The KDA layer written op by op (conv1d, SiLU, F.normalize, the gate's linear with its bias,
+    RMSNorm, sigmoid): the reference for the fused glue."""
+    c = layer.config
+    B, T, _ = x.shape
+    H, K, V = c.num_heads, c.head_dim, c.v_dim
+    qkv = layer.qkv_proj(x)
+    if c.conv_size > 0:
+        qkv = causal_conv1d(qkv, layer.qkv_conv.weight, None, cu_seqlens=cu_seqlens)
+    q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+    q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps)
+    k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
+    v = F.silu(v).view(B, T, H, V)
+    z = layer.g_up(layer.g_down(x)).view(B, T, H, K)
+    g = c.g_min * torch.sigmoid(z * layer.A_log.exp()[:, None])
+    beta = torch.sigmoid(layer.b_proj(x))
+    o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, g_min=c.g_min, cu_seqlens=cu_seqlens,
+                     backend="torch")
+    o = layer.o_norm(o) * torch.sigmoid(layer.og_proj(x)).view(B, T, H, V)
+    return layer.o_proj(o.reshape(B, T, H * V))
+
+
+def _grads(layer, x, y, dy):
+    return torch.autograd.grad(y, [x, *layer.parameters()], dy)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("conv_size,og_rank", [(4, None), (3, 8), (0, None)])
+def test_fused_layer_equals_unfused_fp64(packed, conv_size, og_rank):
+    torch.manual_seed(11)
+    cfg = KDAConfig(d_model=24, num_heads=2, head_dim=8, value_dim=12, conv_size=conv_size,
+                    output_gate_rank=og_rank, chunk_size=16)
+    layer = perturbed(KDALayer(cfg), 5)
+    B, T = (1, 53) if packed else (2, 37)  # T not a multiple of the chunk size
+    cu = torch.tensor([0, 2, 19, 20, 41, 53]) if packed else None  # sequences of 2 and 1 tokens too
+    x = torch.randn(B, T, 24, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(B, T, 24, dtype=torch.float64)
+    y = layer(x, cu_seqlens=cu)
+    y_ref = unfused_forward(layer, x, cu)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, _grads(layer, x, y, dy), _grads(layer, x, y_ref, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_conv_does_not_mix_packed_sequences():
+    """Changing one packed sequence changes no output of the others (conv taps and recurrence)."""
+    torch.manual_seed(3)
+    layer = perturbed(KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8, chunk_size=16)), 2)
+    cu = torch.tensor([0, 13, 14, 30])
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    y = layer(x, cu_seqlens=cu)
+    x2 = x.clone()
+    x2[:, 13:14] += torch.randn(1, 1, 16, dtype=torch.float64)  # the one-token sequence
+    y2 = layer(x2, cu_seqlens=cu)
+    torch.testing.assert_close(y2[:, :13], y[:, :13], rtol=0, atol=0)
+    torch.testing.assert_close(y2[:, 14:], y[:, 14:], rtol=0, atol=0)
+    assert (y2[:, 13] - y[:, 13]).abs().max() > 1e-3
+
+
+def test_glue_bad_input():
+    layer = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8, chunk_size=16))
+    with pytest.raises(NotImplementedError, match="ulysses"):
+        layer(torch.randn(1, 8, 16), cp_strategy="ulysses", cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="cp_strategy"):
+        layer(torch.randn(1, 8, 16), cp_strategy="ring")
+
+
+@pytest.mark.slow
+def test_compiled_glue_matches_eager():
+    """Each glue function compiled by torch.compile (Inductor, here its CPU backend) equals its
+    eager form, forward and backward, on random fp32 inputs with packed-sequence lags and a halo."""
+    torch.manual_seed(0)
+    B, T, H, K, V, W = 1, 45, 2, 8, 8, 4
+    C = H * (2 * K + V)
+    x = torch.randn(B, T, C, requires_grad=True)
+    w = torch.randn(C, W, requires_grad=True)
+    halo = torch.randn(B, W - 1, C, requires_grad=True)
+    lags = glue.lags_in_sequence(torch.tensor([0, 7, 8, 45]), 5, T, W - 1, "cpu")
+    z = torch.randn(B, T, H, K, requires_grad=True)
+    A = torch.randn(H, requires_grad=True)
+    dt = torch.randn(H * K, requires_grad=True)
+    b = torch.randn(B, T, H, requires_grad=True)
+    o = torch.randn(B, T, H, V, requires_grad=True)
+    nw = torch.randn(V, requires_grad=True)
+    og = torch.randn(B, T, H * V, requires_grad=True)
+    cases = [
+        (lambda cm: glue.conv_silu_norm(x, w, (H * K, H * K, H * V), K, 1e-6, halo=halo, lags=lags, compiled=cm),
+         [x, w, halo]),
+        (lambda cm: glue.kda_gate(z, A, dt, -5.0, b, compiled=cm), [z, A, dt, b]),
+        (lambda cm: (glue.kda_gate(z, A, dt, None, None, compiled=cm)[0],), [z, A, dt]),
+        (lambda cm: (glue.rms_norm_gated(o, nw, og, 1e-6, compiled=cm),), [o, nw, og]),
+    ]
+    for fn, leaves in cases:
+        outs = {}
+        for cm in (False, True):
+            res = [r for r in fn(cm) if r is not None]
+            cot = [torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(res)]
+            outs[cm] = (res, torch.autograd.grad(res, leaves, cot))
+        for a, b_ in zip(outs[False][0] + list(outs[False][1]), outs[True][0] + list(outs[True][1])):
+            torch.testing.assert_close(b_, a, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,100 @@
+"""The KDA layer on CUDA (compiled glue, TileLang kernels, bf16 autocast) against the fp64 layer
+on CPU, and chunk_kda's input options through the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cp import chunk_kda
+from kda_cp.layers import KDAConfig, KDALayer
+
+from tests._utils import assert_close, perturbed, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+TOL = 1e-2  # relative RMS, bf16 activations
+
+
+def _layer_pair(seed, **cfg):
+    torch.manual_seed(seed)
+    ref = perturbed(KDALayer(KDAConfig(backend="torch", **cfg)), seed)  # fp64, CPU
+    gpu = KDALayer(KDAConfig(backend="tilelang", **cfg)).cuda()
+    gpu.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    return ref, gpu
+
+
+def _run(layer, x, dy, cu, autocast):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x, cu_seqlens=cu)
+    grads = torch.autograd.grad(y, [x, *layer.parameters()], dy.to(y.dtype))
+    return y, grads
+
+
+@pytest.mark.parametrize("B,T,cu,og_rank", [
+    (2, 333, None, None),
+    (1, 1000, [0, 300, 301, 777, 1000], 128),
+], ids=["dense-T333", "packed-T1000"])
+def test_layer_matches_fp64(B, T, cu, og_rank):
+    ref, gpu = _layer_pair(1, d_model=256, num_heads=2, head_dim=128, output_gate_rank=og_rank)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, 256, generator=gen, dtype=torch.float64)
+    dy = torch.randn(B, T, 256, generator=gen, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    y_ref, g_ref = _run(ref, x, dy, cu_t, autocast=False)
+    y, g = _run(gpu, x.float().cuda(), dy.float().cuda(), None if cu is None else cu_t.cuda(), autocast=True)
+    names = ["y", "grad x"] + [f"grad {n}" for n, _ in ref.named_parameters()]
+    errs = {}
+    for name, a, b in zip(names, [y_ref, *g_ref], [y, *g]):
+        assert torch.isfinite(b).all() and a.abs().max() > 0, name
+        errs[name] = rel_rms(a, b.cpu())
+    print(" ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    bad = {n: e for n, e in errs.items() if not e <= TOL}
+    assert not bad, f"relative RMS error above {TOL}: {bad}"
+
+
+def test_padding_after_last_packed_token_gets_zero_gradient():
+    """Packed sequences and a tail of padding (its own segment): the real tokens' outputs do not
+    depend on the padding, and with the loss on real tokens the padding's input gradient is 0."""
+    _, gpu = _layer_pair(3, d_model=256, num_heads=2, head_dim=128)
+    cu = torch.tensor([0, 200, 517, 640], device="cuda")  # rows 517..639: padding
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(1, 640, 256, generator=gen, device="cuda")
+    dy = torch.randn(1, 640, 256, generator=gen, device="cuda")
+    dy[:, 517:] = 0
+    y, grads = _run(gpu, x, dy, cu, autocast=True)
+    x2 = x.clone()
+    x2[:, 517:] = 100 * torch.randn(1, 123, 256, generator=gen, device="cuda")
+    y2, _ = _run(gpu, x2, dy, cu, autocast=True)
+    assert torch.equal(y[:, :517], y2[:, :517])
+    assert all(torch.isfinite(gr).all() for gr in grads)
+    assert torch.count_nonzero(grads[0][:, 517:]) == 0
+    assert torch.count_nonzero(grads[0][:, :517]) > 0
+
+
+@pytest.mark.parametrize("T", [1000, 64])
+def test_op_options_through_kernels(T):
+    H, K = 3, 128
+    gen = torch.Generator().manual_seed(T)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = 3 * r(1, T, H, K), 2 * r(1, T, H, K), r(1, T, H, K)
+    z = r(1, T, H, K) + torch.linspace(-6, 3, K, dtype=torch.float64)
+    b, A_log, dt_bias = 2 * r(1, T, H), 0.5 * r(H), 0.3 * r(H * K)
+    do = r(1, T, H, K)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+    def run(device, dtype, backend):
+        leaves = [x.to(device, dtype).requires_grad_(True) for x in (q, k, v)]
+        leaves += [x.to(device, torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_(True)
+                   for x in (z, b, A_log, dt_bias)]
+        o, _ = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], backend=backend, **opts)
+        return [o] + list(torch.autograd.grad(o, leaves, do.to(device, o.dtype)))
+
+    want = run("cpu", torch.float64, "torch")
+    got = run("cuda", torch.bfloat16, "tilelang")
+    for name, a, b_ in zip(["o", "q", "k", "v", "g", "beta", "A_log", "dt_bias"], want, got):
+        assert_close(name, a, b_.cpu(), TOL)

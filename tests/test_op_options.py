@@ -1,0 +1,125 @@
+"""chunk_kda's and cp_chunk_kda's input options (flash-linear-attention's names):
+use_qk_l2norm_in_kernel, use_gate_in_kernel with A_log and dt_bias, use_beta_sigmoid_in_kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_cp import chunk_kda, naive_recurrent_kda
+from kda_cp.parallel import cp_chunk_kda
+
+from tests._dist import run_ranks
+
+OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+def _raw(T, H, K, V, seed, B=1):
+    """Pre-activations drawn fresh: q, k unnormalized, z (gate), b (beta), A_log, dt_bias (fp64)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = 3 * r(B, T, H, K), 2 * r(B, T, H, K), r(B, T, H, V)
+    z = r(B, T, H, K) + torch.linspace(-6, 3, K, dtype=torch.float64)  # slow and fast channels
+    b = 2 * r(B, T, H)
+    A_log = 0.5 * r(H)
+    dt_bias = 0.3 * r(H * K)
+    return [x.requires_grad_(True) for x in (q, k, v, z, b, A_log, dt_bias)]
+
+
+def _explicit(q, k, z, b, A_log, dt_bias, g_min):
+    """The options' math written out independently of kda_cp.glue."""
+    H, K = q.shape[2:]
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    u = z + dt_bias.view(H, K)
+    a = A_log.exp()[:, None]
+    g = -a * F.softplus(u) if g_min is None else g_min * torch.sigmoid(a * u)
+    return q, k, g, torch.sigmoid(b)
+
+
+@pytest.mark.parametrize("g_min", [-5.0, -2.5, None], ids=["bound5", "bound2.5", "softplus"])
+def test_options_equal_explicit_transforms_and_recurrence(g_min):
+    T, H, K, V = 45, 2, 8, 6
+    cu = torch.tensor([0, 9, 10, 45])
+    q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=hash(str(g_min)) % 1000)
+    o, ht = chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias, g_min=g_min, cu_seqlens=cu, chunk_size=16,
+                      output_final_state=True, **OPTS)
+    qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, g_min)
+    o_ref, ht_ref = naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    got = torch.autograd.grad((o, ht), leaves, (do, dht))
+    want = torch.autograd.grad((o_ref, ht_ref), leaves, (do, dht))
+    for name, a, w in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias"], got, want):
+        assert w.abs().max() > 0, name
+        torch.testing.assert_close(a, w, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_each_option_alone_and_dt_bias_as_matrix():
+    T, H, K, V = 20, 2, 8, 8
+    q, k, v, z, b, A_log, dt_bias = _raw(T, H, K, V, seed=3, B=2)
+    qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, -5.0)
+    ref, _ = chunk_kda(qn, kn, v, g, beta)
+    cases = [
+        dict(q=q, k=k, g=g, beta=beta, use_qk_l2norm_in_kernel=True),
+        dict(q=qn, k=kn, g=z, beta=beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias.view(H, K)),
+        dict(q=qn, k=kn, g=g, beta=b, use_beta_sigmoid_in_kernel=True),
+    ]
+    for kw in cases:
+        o, _ = chunk_kda(v=v, **kw)
+        torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    o, _ = chunk_kda(qn, kn, v, z + dt_bias.view(H, K), beta, use_gate_in_kernel=True, A_log=A_log)  # no dt_bias
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_bad_gate_parameters():
+    T, H, K, V = 12, 2, 4, 4
+    q, k, v, z, b, A_log, dt_bias = (x.detach() for x in _raw(T, H, K, V, seed=1))
+    with pytest.raises(ValueError, match=r"A_log must be a float tensor \[H\] = \[2\]"):
+        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log[:1], dt_bias=dt_bias)
+    with pytest.raises(ValueError, match=r"A_log must be"):
+        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, dt_bias=dt_bias)
+    with pytest.raises(ValueError, match=r"dt_bias must be a float tensor \[H \* K\] = \[8\]"):
+        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias[:-1])
+    with pytest.raises(ValueError, match="use_gate_in_kernel=True"):
+        chunk_kda(q, k, v, z, b, A_log=A_log)
+    with pytest.raises(ValueError, match=r"g \(the gate's pre-activation\) must be \[B, T, H, K\]"):
+        chunk_kda(q, k, v, z[..., 0], b, use_gate_in_kernel=True, A_log=A_log)
+    with pytest.raises(ValueError, match="g is a log decay"):  # without the option, z is taken as g
+        chunk_kda(q, k, v, z, b)
+
+
+def _cp_body(rank, world_size, leaves, lengths, cu, do):
+    import torch.distributed as dist
+
+    start = sum(lengths[:rank])
+    sl = slice(start, start + lengths[rank])
+    q, k, v, z, b = (x[:, sl].clone().requires_grad_(True) for x in leaves[:5])
+    A_log, dt_bias = (x.clone().requires_grad_(True) for x in leaves[5:])
+    o, ht = cp_chunk_kda(q, k, v, z, b, cp_group=dist.group.WORLD, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+                         chunk_size=16, output_final_state=True, **OPTS)
+    grads = torch.autograd.grad((o, ht), [q, k, v, z, b, A_log, dt_bias], (do[:, sl], torch.ones_like(ht) / world_size))  # summed over ranks
+    return {"o": o.detach(), "ht": ht.detach(), "grads": grads}
+
+
+@pytest.mark.parametrize("lengths", [[30, 23], [17, 20, 16], [9, 15, 14, 15]], ids=["p2", "p3", "p4"])
+def test_cp_options_equal_unsharded(lengths):
+    T, H, K, V = sum(lengths), 2, 8, 4
+    cu = [0, 5, 26, 27, T]  # sequences crossing rank boundaries
+    leaves = _raw(T, H, K, V, seed=len(lengths))
+    o, ht = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], cu_seqlens=cu, chunk_size=16,
+                      output_final_state=True, **OPTS)
+    do = torch.randn_like(o)
+    want = torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+    res = run_ranks(_cp_body, len(lengths), [x.detach() for x in leaves], lengths, cu, do)
+    torch.testing.assert_close(torch.cat([r["o"] for r in res], 1), o.detach(), rtol=1e-10, atol=1e-10)
+    for r in res:
+        torch.testing.assert_close(r["ht"], ht.detach(), rtol=1e-10, atol=1e-10)
+    for i, name in enumerate(["q", "k", "v", "g", "beta"]):
+        got = torch.cat([r["grads"][i] for r in res], 1)
+        torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+    for i, name in ((5, "A_log"), (6, "dt_bias")):  # replicated parameters: the ranks' shares sum up
+        got = sum(r["grads"][i] for r in res)
+        torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
