@@ -35,7 +35,7 @@ fp16 input): the fp64 mirror with these roundings moves dq, dk, dg by < 4e-4 rel
 input, dAqk and dB bring 8 instead of 11 significant bits into "dk".
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
-G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3). Both take the
+G = dh0 of <o, do> with dht = 0, which context parallelism needs (docs/design.md §4.2). Both take the
 forward's ``PreparedForward`` instead of running stage 1: the CP backward computes it once for the
 state gradient and the backward.
 """
@@ -187,7 +187,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
 def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None, chunk_size: int = 64,
                          g_min: float = -5.0, prepared=None):
-    """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (DESIGN.md §3).
+    """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (docs/design.md §4.2).
 
     o is affine in h0, so G does not depend on h0; no state is recomputed and no dq/dk/dv is formed:
     stage 1 (intra recompute) and the reverse walk of bwd_state.py only.

@@ -1,10 +1,10 @@
 """Chunk-local stage: gate cumsum, decayed K K^T and Q K^T, the UT transform (W, U).
 
-This one kernel fuses what DESIGN.md §2 lists as two stages (gate cumsum, intra-chunk UT) so the
+This one kernel fuses what docs/design.md §2 lists as two stages (gate cumsum, intra-chunk UT) so the
 gates are read once. One thread block per (chunk, head); no state is involved, so all chunks run
 in parallel.
 
-Math (DESIGN.md §2, per chunk of C tokens, rows i, columns j, key channel d):
+Math (docs/design.md §2, per chunk of C tokens, rows i, columns j, key channel d):
 
     gamma_i   = sum_{s <= i} g_s                          chunk-local cumsum, natural log, fp32
     Akk[i,j]  = sum_d k_i[d] k_j[d] exp(gamma_i[d] - gamma_j[d])            (j < i)

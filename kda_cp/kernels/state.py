@@ -8,13 +8,13 @@ chunk-local tensors from intra.py:
     O   = Qg S + Aqk V'               output rows of the chunk   (scale already folded in)
     S  <- Diag(eC) S + Kd^T V'        state entering the next chunk
 
-The output stage of DESIGN.md §2 is fused here: O needs the same S and V' that the state pass
+The output stage of docs/design.md §2 is fused here: O needs the same S and V' that the state pass
 already holds, so fusing saves writing and re-reading the per-chunk states and V'. Two forms: 64
 columns on one warpgroup carry S^T and compute the transposed products, so that S^T and V'^T are
 register A operands of the MMAs; narrower blocks keep S and V' in shared memory as B operands
 (_state_output_func). _common.state_launch picks one.
 
-Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
+Summary mode (docs/design.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
 independent, so each block owns 64 columns of either the S~ part or the M part and carries them
 transposed. Every product there carries fp32-level accuracy on tensor cores, never one plain 16-bit
