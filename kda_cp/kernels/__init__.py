@@ -168,7 +168,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
         fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
-        (see kernels/NOTES.md).
+        (docs/kernels.md, "Accuracy").
     """
     B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
