@@ -336,9 +336,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BK = block_k  # key channels per block: every step below is independent per channel
     # Row pitch of the [token, channel] tiles, fp32 and 16-bit alike: BK + 8 makes the reads of
     # channel pairs in the MMA accumulator layout (8 rows x 4 pairs per warp) bank-conflict free
-    # (a pitch of BK put all 8 rows on one bank, 8-way; an odd one barred the pairwise reads). The
-    # factor-table builds, which read 16 rows x 2 channels, pay for it: gam_s up to 4-way (was
-    # 2-way), k and q 2-way (were conflict free); there are fewer of those reads.
+    # (a pitch of BK puts all 8 rows on one bank, 8-way; an odd one bars the pairwise reads). The
+    # factor-table builds, which read 16 rows x 2 channels, pay for it (gam_s up to 4-way, k and q
+    # 2-way conflicts), but there are fewer of those reads.
     P = BK + 8
     row_scan = row_scan_macro(C, BK, threads)
     NP = C // BS  # the closing reverse scan: parts of 16 rows (as row_scan)
