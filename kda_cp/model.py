@@ -226,7 +226,7 @@ def train_flops_per_token(model: KDALanguageModel, seq_len: int) -> float:
     - every nn.Linear (projections, gates, MLP, LM head; a tied head counted as the matmul it is):
       2 * in * out;
     - short convolution: 2 * W * channels;
-    - KDA chunk op, per head, chunk C, head dims K, V (the chunked form of DESIGN.md §2, full
+    - KDA chunk op, per head, chunk C, head dims K, V (the chunked form of docs/design.md §2, full
       C x C blocks, no credit for triangles): A_kk 2CK, W = T(Gamma K) 2CK, U = TV 2CV,
       W S 2KV, (Gamma Q) S 2KV, Q K^T 2CK, (.) V' 2CV, state update 2KV, i.e.
       2 * (3 C K + 2 C V + 3 K V);

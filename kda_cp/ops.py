@@ -6,7 +6,7 @@ Two backends compute the same function:
 * ``"tilelang"``: the TileLang kernels of :mod:`kda_cp.kernels` on Hopper GPUs.
 
 ``backend="auto"`` picks TileLang for CUDA tensors it supports and torch elsewhere. Every backend
-offers the four stages that context parallelism composes (DESIGN.md §3): ``fwd``, ``bwd``,
+offers the four stages that context parallelism composes (docs/design.md §4): ``fwd``, ``bwd``,
 ``summary`` (the shard's affine map (M, S~)) and ``state_grad`` (dh0 with dht = 0).
 """
 

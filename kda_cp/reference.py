@@ -4,7 +4,7 @@ Two implementations of the same function, side by side:
 
 * :func:`naive_recurrent_kda` runs the recurrence of Kimi Linear (arXiv:2510.26692, Eq. 1) one token
   at a time. It is the oracle every test compares to (run it in fp64).
-* :func:`chunk_kda_torch` computes the chunked form (DESIGN.md §2; Kimi Linear Eqs. 7-9; the UT
+* :func:`chunk_kda_torch` computes the chunked form (docs/design.md §2; Kimi Linear Eqs. 7-9; the UT
   transform of Gated DeltaNet, arXiv:2412.06464) with torch ops. It mirrors what the TileLang
   kernels compute, runs on any device, and is differentiable through torch autograd. It is the
   backend that CPU users and CI run.
@@ -259,7 +259,7 @@ def chunk_kda_torch(
     chunk_size: int = 64,
     prepared: list[_ChunkIntra] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA in plain torch (DESIGN.md §2), differentiable by autograd.
+    """Chunked KDA in plain torch (docs/design.md §2), differentiable by autograd.
 
     Math (per chunk of C tokens, gamma = within-chunk cumsum of g, Gamma = exp(gamma)):
         A_kk = StrictTril(Diag(beta) (Gamma*K)(K/Gamma)^T)
@@ -305,7 +305,7 @@ def chunk_kda_summary_torch(
     beta: torch.Tensor,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affine map of a segment: S_out = M @ S_in + S_tilde (DESIGN.md §3), in one state pass.
+    """The affine map of a segment: S_out = M @ S_in + S_tilde (docs/design.md §3), in one state pass.
 
     The recurrence acts on the V columns of the state independently, so one pass from the
     augmented state [0 | I] with values [V | 0] ends in [S_tilde | M].

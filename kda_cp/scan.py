@@ -1,4 +1,4 @@
-"""Affine-map algebra for context parallelism (DESIGN.md §3; Kimi K3 report, CP by prefix scan).
+"""Affine-map algebra for context parallelism (docs/design.md §3; Kimi K3 report, CP by prefix scan).
 
 A segment of tokens maps the state entering it to the state leaving it::
 

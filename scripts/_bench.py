@@ -5,7 +5,7 @@ import time
 
 import torch
 
-#: The shapes of the issues' benchmarks (bf16, gates bounded at -5).
+#: The benchmark shapes S1-S3 (bf16, gates bounded at -5); docs/benchmarks.md reports them.
 SHAPES = {
     "S1": dict(B=1, T=32768, H=32, K=128, V=128),
     "S2": dict(B=8, T=4096, H=32, K=128, V=128),

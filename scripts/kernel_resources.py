@@ -5,8 +5,7 @@ cache applies), recompiles its generated CUDA with `nvcc -Xptxas=-v` for sm_90a,
 per kernel: launch bounds (threads, min blocks per SM), registers per thread, spill bytes, dynamic
 shared memory, and how many blocks fit an SM by registers and by shared memory (H100/H200: 64 K
 registers, 227 KB of shared memory per SM). A kernel whose blocks per SM drop to one is usually
-latency-bound: "dk" at 148 registers ran one block per SM and took 5.0 ms at S1 on an H200, 3.3 ms
-capped at 128 (kernels/NOTES.md).
+latency-bound: every serial phase of a block is then exposed (docs/kernels.md).
 
     python scripts/kernel_resources.py [--head-dim 128] [--dtype bfloat16] [--only dk ut ...]
 """

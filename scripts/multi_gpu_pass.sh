@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU pass (issue 7) on one host: NCCL equivalence tests, weak/strong scaling side by side
+# The multi-GPU pass on one host: NCCL equivalence tests, weak/strong scaling side by side
 # with Ulysses and fla-core's KDA CP, and a long-context training run of the hybrid model.
 #
 #   OUT=results bash scripts/multi_gpu_pass.sh [T_LOCAL_TRAIN] [STEPS]

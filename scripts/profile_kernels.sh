@@ -5,8 +5,8 @@
 #   OUT=results bash scripts/profile_kernels.sh      -> $OUT/ncu_kernels.txt
 #   OUT=results bash scripts/profile_kernels.sh sass -> per-instruction stall samples of the forward's
 #       two kernels at S1 ($OUT/sass_<kernel>.csv and, from scripts/ncu_sass_summary.py,
-#       $OUT/sass_<kernel>.txt: where the warps wait, by opcode, reason and stretch of code; run
-#       on an H200 in the fourteenth session, ~25 s)
+#       $OUT/sass_<kernel>.txt: where the warps wait, by opcode, reason and stretch of code;
+#       ~25 s on an H200)
 set -uo pipefail
 OUT=${OUT:-profile_out}
 mkdir -p "$OUT"

@@ -89,7 +89,7 @@ def test_chunk_tables_fixed_and_packed():
 
 def test_state_launch_fills_the_gpu():
     """The launch picked for the benchmark shapes on an H200 (132 SMs), the ones measured fastest
-    there (kernels/NOTES.md, fourteenth session), and the rule's boundaries: waves x measured step
+    there (docs/results/h200_tune_launches.json), and the rule's boundaries: waves x measured step
     time (state_launch's docstring). Needs no tilelang."""
     from kda_cp.kernels._common import STATE_LAUNCHES, STATE_STEP_US, state_launch
 
@@ -123,8 +123,8 @@ def test_miscompiled_state_launch_is_refused():
 
 
 def test_state_builders_refuse_the_miscompiled_launch():
-    """64 value columns on two warpgroups produced wrong states on an H200 (kernels/NOTES.md, ninth
-    session): both state builders raise before compiling (needs tilelang installed, no nvcc)."""
+    """64 value columns on two warpgroups produce wrong states on an H200 with tilelang 0.1.15
+    (docs/kernels.md): both state builders raise before compiling (needs tilelang installed, no nvcc)."""
     pytest.importorskip("tilelang")
     from kda_cp.kernels.bwd_state import build_bwd_state_kernel
     from kda_cp.kernels.state import build_state_output_kernel

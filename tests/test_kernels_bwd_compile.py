@@ -74,8 +74,8 @@ def test_bwd_dk_compiles(K, dtype):
     assert "for (int J = 0; J < 4; ++J)" in src and "for (int I = 0; I < 4; ++I)" in src
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
     # the gate cumsums run on every thread, and the per-channel sum of Kd dKd inside the reverse one:
-    # a 64-thread scan and a row reduction (eight AllReduce rounds, each with a barrier) made the
-    # other warps wait, 3.33 ms at S1 against 2.13 (kernels/NOTES.md, tenth session)
+    # a 64-thread scan and a row reduction (eight AllReduce rounds, each with a barrier) would make
+    # the other warps wait (docs/kernels.md)
     assert "AllReduce" not in src
     assert "if (((int)threadIdx.x) < 64)" not in src
 

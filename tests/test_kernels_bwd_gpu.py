@@ -5,7 +5,7 @@ gates g = -5 * sigmoid(randn) per channel (down to the bound), beta ~ U(0, 1) pe
 and, where the case says so, h0 and dht ~ N(0, 1). The oracle is torch autograd of
 kda_cp.reference.naive_recurrent_kda in fp64 on the same bf16/fp16-rounded inputs.
 
-Tolerances (issue 4): relative RMS <= 8e-3 for dq, dk, dv, dh0 and <= 2e-2 for dg, dbeta.
+Tolerances: relative RMS <= 8e-3 for dq, dk, dv, dh0 and <= 2e-2 for dg, dbeta.
 ``test_stages_match_mirror`` compares every intermediate of the kernels with the fp64 mirror
 (kda_cp.kernels.bwd_mirror) so that a failure names the stage.
 """

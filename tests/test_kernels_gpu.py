@@ -9,7 +9,7 @@ v ~ N(0, 1), beta ~ U(0, 1), and per-channel gates down to the bound. Two gate l
   others still reach g_min.
 
 The oracle (kda_cp.reference.naive_recurrent_kda) runs in fp64 on the same bf16/fp16-rounded inputs.
-Tolerances (issue 3): relative RMS <= 5e-3 for o and the final state; <= 1e-3 for the summary.
+Tolerances: relative RMS <= 5e-3 for o and the final state; <= 1e-3 for the summary.
 """
 import pytest
 import torch

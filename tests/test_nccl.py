@@ -1,5 +1,5 @@
 """Multi-GPU equivalence over NCCL (one process per GPU): cp_chunk_kda through the TileLang kernels
-and one training step of the hybrid model give, on P GPUs, what one GPU gives (issue 7).
+and one training step of the hybrid model give, on P GPUs, what one GPU gives.
 
 Skipped unless P GPUs are present; P in {2, 4, 8} as far as the machine allows.
 """

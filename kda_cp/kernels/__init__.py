@@ -10,7 +10,7 @@ Public API (wired into ``kda_cp.ops.chunk_kda`` by ops.py):
     keep_for_backward(prepared) -> (W, U, Aqk, eC);  restore_prepared(q, k, v, g, beta, kept, ...)
     is_supported(q, k, v, g, beta, cu_seqlens=None) -> (bool, reason)
 
-Recurrence (DESIGN.md §1), per batch element / sequence and head, log decay g in natural log:
+Recurrence (docs/design.md §1), per batch element / sequence and head, log decay g in natural log:
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 
@@ -144,7 +144,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     """KDA forward with the TileLang chunk kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
-    o_t = scale * S_t^T q_t, S_{-1} = initial_state (zero if None); chunked form of DESIGN.md §2.
+    o_t = scale * S_t^T q_t, S_{-1} = initial_state (zero if None); chunked form of docs/design.md §2.
 
     Args:
         q, k: [B, T, H, K] bf16 or fp16, contiguous. v: [B, T, H, V], same dtype.
@@ -168,7 +168,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     Numerics: cumsum, exponentials, triangular solve and state in fp32; GEMM operands bf16 (or
         fp16 for fp16 inputs) with fp32 accumulation. Measured relative RMS error vs an fp64
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
-        (see kernels/NOTES.md).
+        (docs/kernels.md, "Accuracy").
     """
     B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -274,7 +274,7 @@ def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, c
 
 def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
                           g_min: float = -5.0) -> PreparedForward:
-    """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: DESIGN.md §2):
+    """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: docs/design.md §2):
     everything of the forward that does not depend on the incoming state. Context parallelism runs
     it once per shard and derives the shard's (M, S~) from it (:func:`chunk_kda_summary_prepared`);
     then ``chunk_kda_fwd(..., prepared=...)`` runs only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
@@ -360,7 +360,7 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
 
     Context parallelism needs both the shard's forward and its summary; this derives the summary
     from what :func:`chunk_kda_fwd_prepare` already computed (W, U, Kd in the input dtype, eC in
-    fp32), so the chunk-local kernel runs once per shard instead of twice (DESIGN.md §3).
+    fp32), so the chunk-local kernel runs once per shard instead of twice (docs/design.md §4.1).
 
     Math: as :func:`chunk_kda_summary`, per sequence n of the prepared inputs (row b of a dense
     batch, or packed sequence n): S_out = M S_in + S~ with M = prod_c (Diag(eC_c) - Kd_c^T W_c) over
@@ -395,7 +395,7 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
 
 
 def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
-    """The segment's affine map (DESIGN.md §3) in one fp32-accurate state pass.
+    """The segment's affine map (docs/design.md §3) in one fp32-accurate state pass.
 
     Math: for each batch element b and head h, with M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)):
         M       = M_{T-1} ... M_0                               (K x K, S_out = M S_in + S_tilde)

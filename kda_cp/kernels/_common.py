@@ -43,9 +43,8 @@ def compile_kernel(func, *, name: str, fast_math: bool = False):
     backward's "ut" and "dk"), which have no division, square root or log: exp2f becomes one
     ex2.approx.ftz instead of ex2.approx with a fix-up for results below 2^-126, and every fp32
     add, multiply and fma flushes subnormals to zero (-ftz=true): values under e^-87 next to terms
-    of order one. H200, S1: chunk-local forward 1.62 -> 1.53 ms,
-    "dk" 2.11 -> 2.02; outputs differ from the exact-denormal build by under 1e-33 relative
-    (kernels/NOTES.md, twelfth session).
+    of order one. About 5% faster for those kernels; outputs differ from the exact-denormal build
+    by under 1e-33 relative.
     """
     import tilelang
 
@@ -144,9 +143,7 @@ def row_scan_macro(C: int, ncols: int, threads: int):
     loads), adds in a register chain, and publishes the part's total; after a barrier it adds the
     totals of the parts above, summed in part order, and stores the part back. The partition does
     not depend on ``threads``, so every kernel using this macro computes the same bits. One thread
-    per column scanning all C rows (the earlier form) left the other threads waiting at the next
-    barrier: in "dk" (64 columns, 256 threads) that wait was 13% of the kernel's stall samples
-    (Nsight Compute, H200)."""
+    per column scanning all C rows would leave the other threads waiting at the next barrier."""
     import tilelang.language as T
 
     if C % SUB or threads % ncols:
@@ -191,8 +188,8 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
     A = L_s, or A = Diag(beta) L_s when ``beta_scaled`` (beta_s [C] fp32, given only then).
     G = threads / 16 threads own each row of a block row, each summing 16 I / G of its columns at
     once (one load of A or X_II serves them); `threads` must be 16 times a divisor of 16
-    (ValueError). As loops over (row, column), one sum per thread and two shared loads per FMA,
-    the forward kernel's solve took ~0.29 ms of 1.7 at T = 32768, H = 32 on an H200."""
+    (ValueError). Several columns per thread share each load, where one sum per thread would take
+    two shared loads per FMA."""
     import tilelang.language as T
 
     G = threads // SUB
@@ -234,10 +231,9 @@ def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):
 STATE_LAUNCHES = ((64, 128), (32, 128), (16, 128))
 
 #: Measured time of one chunk step of each launch (microseconds, H200, K = V = 128, bf16, one block
-#: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output` (fourteenth
-#: session, docs/results/h200_tune_launches.json): (64, 128) 0.633 ms / 512 steps at S1, (32, 128)
-#: 0.506 ms / 512 at S1, (16, 128) 1.543 ms / 2048 at S3; both forms issue the output's Qg S with
-#: W S.
+#: per SM): the pass alone, `python scripts/tune_launches.py --kernels state+output`
+#: (docs/results/h200_tune_launches.json): (64, 128) 0.633 ms / 512 steps at S1, (32, 128)
+#: 0.506 ms / 512 at S1, (16, 128) 1.543 ms / 2048 at S3.
 STATE_STEP_US = {(64, 128): 1.24, (32, 128): 0.99, (16, 128): 0.75}
 
 
@@ -247,8 +243,7 @@ def check_state_launch(block_v: int, threads: int) -> None:
 
     With two or more warpgroups splitting the value columns 32 per warpgroup (block_v 64 on 256
     threads), the state update's result is wrong from the second chunk on (relative RMS error 0.2 to
-    0.45 in o on an H200, columns 16-31 of each warpgroup's 32 worst; kernels/NOTES.md, ninth
-    session). Measured exact: (32, 256) (16 columns per warpgroup) and one warpgroup (128 threads)
+    0.45 in o on an H200, columns 16-31 of each warpgroup's 32 worst). Measured exact: (32, 256) (16 columns per warpgroup) and one warpgroup (128 threads)
     with block_v 16, 32 or 64. Wider splits over several warpgroups were never measured and are
     refused with the miscompiled one. Measured on the forward's state + output pass; the backward's
     state walks run the same GEMMs and are refused too.
@@ -273,8 +268,8 @@ def state_launch(sms: int, N: int, H: int, V: int) -> tuple[int, int]:
     tie; the step times were measured at K = V = 128, bf16, and serve K = 64 and fp16 too). H200,
     K = V = 128: T = 32768, H = 32 (S1): (32, 128), 0.51 ms against (64, 128) 0.63 and (16, 128)
     0.77 (two waves); B = 8, T = 4096, H = 32 (S2): (64, 128), 0.40 ms against 0.53 and 0.79;
-    T = 131072, H = 16 (S3): (16, 128), 1.54 ms against 1.97 and 2.47 (kernels/NOTES.md, fourteenth
-    session, and docs/results/h200_tune_launches.json; each a median of 10, three times).
+    T = 131072, H = 16 (S3): (16, 128), 1.54 ms against 1.97 and 2.47
+    (docs/results/h200_tune_launches.json; each a median of 10, three times).
     """
     best = None
     for launch in STATE_LAUNCHES:

@@ -22,7 +22,7 @@ What the forward keeps for the backward (ops.py's autograd; kernels.keep_for_bac
 and W, U, Aqk in the input dtype and eC in fp32, (K + V + C) values per token and head plus K / C:
 with o, 906 MiB at S1 (T = 32768, H = 32, K = V = 128, bf16) against flash-linear-attention's
 1024 MiB, measured by scripts/bench_backward.py. Qg and Kd (another 2K per token and head) are
-remade by a cheap kernel (0.42 ms at S1) instead of the chunk-local kernel (1.7 ms). Autograd holds
+remade by a cheap kernel (0.40 ms at S1) instead of the chunk-local kernel (1.10 ms). Autograd holds
 the kept tensors until the backward returns, so the ``del``s below free them only when no one else
 holds them (a ``prepared`` from chunk_kda_fwd_prepare): at K = V = 128 the backward's peak (at
 "dv") is unchanged (3350 MiB at S1), at K = V = 64 keeping them through "dk" raises it by about
@@ -35,7 +35,7 @@ fp16 input): the fp64 mirror with these roundings moves dq, dk, dg by < 4e-4 rel
 input, dAqk and dB bring 8 instead of 11 significant bits into "dk".
 
 The state gradient (``chunk_kda_state_grad``) runs stage 1 and the reverse walk of stage 2 only:
-G = dh0 of <o, do> with dht = 0, which context parallelism needs (DESIGN.md §3). Both take the
+G = dh0 of <o, do> with dht = 0, which context parallelism needs (docs/design.md §4.2). Both take the
 forward's ``PreparedForward`` instead of running stage 1: the CP backward computes it once for the
 state gradient and the backward.
 """
@@ -68,8 +68,9 @@ def _walk_block_v(dev, N, H, V):
     """Value columns per block of the state walks: 32, or 16 when the (V / 16) * N * H blocks that
     gives still fit the SMs in one wave (each block walks its sequence's chunks in order, one per
     SM; with SMs idle, more and narrower blocks finish the walk sooner).
-    H200, T = 131072, H = 16 (128 blocks of 16 columns): forward walk 1.95 -> 1.55 ms, reverse walk
-    2.44 -> 2.16 ms; at T = 32768, H = 32 (256 blocks of 16) 16 is slower: 0.51 -> 0.79 ms."""
+    H200 (docs/results/h200_tune_launches.json), 32 / 16 columns: T = 131072, H = 16 (128 blocks of
+    16) forward walk 1.96 / 1.57 ms, reverse walk 2.39 / 2.09 ms; T = 32768, H = 32 (256 blocks of
+    16) forward walk 0.51 / 0.79 ms."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     return 16 if V % 16 == 0 and (V // 16) * N * H <= sms else 32
 
@@ -187,7 +188,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
 def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None, chunk_size: int = 64,
                          g_min: float = -5.0, prepared=None):
-    """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (DESIGN.md §3).
+    """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (docs/design.md §4.2).
 
     o is affine in h0, so G does not depend on h0; no state is recomputed and no dq/dk/dv is formed:
     stage 1 (intra recompute) and the reverse walk of bwd_state.py only.

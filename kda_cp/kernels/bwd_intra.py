@@ -37,20 +37,18 @@ times each table split into two bf16 pieces, hi + lo, both through bf16 MMAs, th
 outside the sum applied to the fp32 accumulator. dg is a reverse cumsum
 of dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the
 pairs that straddle the position; with one bf16 piece the uncancelled rounding alone gives dg a
-relative RMS error of ~6e-2 (measured on an H200 and reproduced by the fp64 mirror), with two
-~1.6e-3, the level of dM's own bf16 rounding (bwd_mirror ``dk_pieces``; the kernel used 2xTF32
-until it was shown equal). Rows past a sequence end are read as zero and never written. Between
+relative RMS error of ~6e-2 (the fp64 mirror reproduces it), with two ~1.6e-3, the level of
+dM's own bf16 rounding (bwd_mirror ``dk_pieces``; as accurate as 2xTF32 there). Rows past a sequence end are read as zero and never written. Between
 kernels dAqk, dB, dQg, dKd, dGk are stored in bf16 (fp32 range, also for fp16 input), and "ut"
 keeps Gamma * k for dbeta in the input dtype: the fp64 mirror with these roundings moves dq, dk,
 dg by <= 4e-4 and dbeta by <= 2e-5 relative.
 
 Every loop over the four 16-row sub-chunks is a loop in the generated code, not unrolled: fully
-unrolled, the kernels stalled on instruction fetch (H200, S1: "dk" 9.8 -> 6.5 ms, "ut" 2.9 -> 1.9 ms
-as loops). "dk" is bound by shared-memory bandwidth (Nsight Compute, H200: L1 at 80% of peak), so
-its [token, channel] tiles have a row pitch that keeps the accumulator-layout reads free of bank
-conflicts, and its gate cumsum and closing reverse cumsum run on every thread in parts of 16 rows
-(_common.row_scan_macro); as one thread per channel, with a row reduction of Kd dKd, they left the
-other warps waiting at barriers (S1: 3.33 -> 2.13 ms with the pitch).
+unrolled, the kernels stall on instruction fetch. "dk" is bound by shared-memory bandwidth
+(Nsight Compute: L1 at ~80% of peak), so its [token, channel] tiles have a row pitch that keeps
+the accumulator-layout reads free of bank conflicts, and its gate cumsum and closing reverse
+cumsum run on every thread in parts of 16 rows (_common.row_scan_macro), so that no warp waits at
+a barrier for a per-channel scan.
 """
 import functools
 
@@ -202,7 +200,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             beta_s = T.alloc_shared([C], f32)
             kp_s = T.alloc_shared([BS, K], op)
             km_s = T.alloc_shared([C, K], op)
-            B_s = T.alloc_shared([C, C], f32)  # (a row pitch of C + 8 ran 7% slower on an H200)
+            B_s = T.alloc_shared([C, C], f32)  # unpadded: a row pitch of C + 8 measures slower here
             X_s = T.alloc_shared([C, C], f32)
             Xc_s = T.alloc_shared([C, C], dtype)
             Td_s = T.alloc_shared([NSUB, BS, BS], f32)
@@ -225,8 +223,8 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             # g and k by TMA (as in the forward's chunk-local kernel): the scan waits for g alone;
             # rows past the tensor's end arrive as zeros, rows past eos inside it (the next packed
             # sequence's) are masked in the scan (g) and zeroed here (k). Each later group of tiles
-            # comes by TMA too, at its first use. H200, S1: 1.58 -> 1.45 ms, same bits ("dv" with
-            # its loads by TMA at their first uses ran 1.5% slower, so it keeps per-thread loads)
+            # comes by TMA too, at its first use ("dv" keeps per-thread loads: by TMA they measure
+            # no faster there)
             bg = T.alloc_barrier(1)
             T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bg)
             bk = T.alloc_barrier(1)
@@ -338,9 +336,9 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     BK = block_k  # key channels per block: every step below is independent per channel
     # Row pitch of the [token, channel] tiles, fp32 and 16-bit alike: BK + 8 makes the reads of
     # channel pairs in the MMA accumulator layout (8 rows x 4 pairs per warp) bank-conflict free
-    # (a pitch of BK put all 8 rows on one bank, 8-way; an odd one barred the pairwise reads). The
-    # factor-table builds, which read 16 rows x 2 channels, pay for it: gam_s up to 4-way (was
-    # 2-way), k and q 2-way (were conflict free); there are fewer of those reads.
+    # (a pitch of BK puts all 8 rows on one bank, 8-way; an odd one bars the pairwise reads). The
+    # factor-table builds, which read 16 rows x 2 channels, pay for it (gam_s up to 4-way, k and q
+    # 2-way conflicts), but there are fewer of those reads.
     P = BK + 8
     row_scan = row_scan_macro(C, BK, threads)
     NP = C // BS  # the closing reverse scan: parts of 16 rows (as row_scan)
@@ -368,9 +366,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     ):
         with T.Kernel(NC, Hn, K // BK, threads=threads) as (ic, ih, ik):
             # two blocks per SM (~86 KB of shared memory each): registers capped at 128 per thread
-            # (before the padded tiles: uncapped, nvcc took 148 and the SM ran one block, 5.0 ms at S1
-            # on an H200, 3.33 ms capped; block_k 32 with three blocks per SM at 80 registers was no
-            # faster, 3.33 vs 3.30 ms)
+            # (uncapped, nvcc takes more and the SM runs one block, which exposes every serial phase)
             T.annotate_min_blocks_per_sm(2)
             bos = Table[ic, 0]
             eos = Table[ic, 1]
@@ -567,10 +563,7 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     dKd[NC,H,C,K] bf16, dGk[NC,H,C,K] bf16, deC[NC,H,K] f32, dq[TT,H,K], dk[TT,H,K], dg[TT,H,K] f32);
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     threads: 256 (two warpgroups, each taking 32 of the 64 channels of every wgmma), at most 128
-    registers per thread so that two blocks share an SM. At S1 on an H200: 2.13 ms (3.33 ms with
-    unpadded tiles and one thread per channel in the cumsums); as M = 16 mma.sync GEMMs per row
-    sub-chunk (an earlier form) 4.96 ms with 256 threads, 6.56 ms with 128, 5.35 ms with block_k 32
-    and 128 threads (kernels/NOTES.md). ValueError unless chunk_size is 64 and K and threads are
+    registers per thread so that two blocks share an SM (docs/kernels.md). ValueError unless chunk_size is 64 and K and threads are
     multiples of block_k.
     """
     block_k = min(block_k, K)

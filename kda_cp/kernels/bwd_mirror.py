@@ -5,7 +5,7 @@ kernels use, so a CPU run in fp64 checks the algebra (tests/test_kernels_bwd_mir
 with torch autograd of :func:`kda_cp.reference.chunk_kda_torch` and of the per-token recurrence).
 This module imports torch only; it never needs tilelang or a GPU.
 
-Forward per chunk of C tokens (DESIGN.md §2), rows i, columns j, key channel d, q~ = scale * q:
+Forward per chunk of C tokens (docs/design.md §2), rows i, columns j, key channel d, q~ = scale * q:
 
     gamma   = cumsum(g)                      (chunk-local, natural log)     Gamma = exp(gamma)
     B_ij    = sum_d k_id k_jd exp(gamma_id - gamma_jd)            j < i      (decayed K K^T)
@@ -21,7 +21,7 @@ Backward, given dO and dS_next (the gradient of the state leaving the chunk):
     forward walk   : S_n = state entering chunk n                          (stored, [NC, H, K, V])
     reverse walk   : dS_next_n stored; dV' = Aqk^T dO + Kd dS_next
                      dS_n = Qg^T dO + Diag(eC) dS_next - W^T dV'           (dh0 = dS_0 of sequence)
-    With dht = 0 and no stores, the reverse walk alone is the CP state gradient G (DESIGN.md §3).
+    With dht = 0 and no stores, the reverse walk alone is the CP state gradient G (docs/design.md §4.2).
 
   stage "dv" (bwd_intra.py, kernel 1; chunk-parallel)
     V' = U - W S;  dV' = Aqk^T dO + Kd dS_next;  dU = dV';  dW = -dV' S^T
@@ -301,7 +301,7 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
 
 
 def chunk_kda_state_grad_mirror(q, k, v, g, beta, *, scale, do, chunk_size=64):
-    """dh0 of <o, do> with dht = 0 (the CP state gradient G, DESIGN.md §3): the reverse walk alone.
+    """dh0 of <o, do> with dht = 0 (the CP state gradient G, docs/design.md §4.2): the reverse walk alone.
 
     Args as :func:`chunk_kda_bwd_mirror` (no cu_seqlens). Returns dh0 [B, H, K, V].
     """

@@ -15,11 +15,11 @@ each chunk in reverse order
 
     dHs[c] = dS                       gradient of the state leaving chunk c
     dV'    = Aqk^T dO + Kd dS
-    dS    <- Qg^T dO + Diag(eC) dS - W^T dV'                            (DESIGN.md §2, transposed)
+    dS    <- Qg^T dO + Diag(eC) dS - W^T dV'                            (docs/design.md §2, transposed)
     dH0    = dS after the first chunk: the gradient of the sequence's initial state
 
 "state_grad": the reverse walk without storing dHs. With dht = 0 it is the standalone state
-gradient G = dh0 that the context-parallel backward needs (DESIGN.md §3, step 1): o is affine in
+gradient G = dh0 that the context-parallel backward needs (docs/design.md §4.2, step 1): o is affine in
 h0, so G does not depend on h0 and no state is recomputed.
 
 Each walk is software-pipelined (``num_stages``): the next chunk's tiles load (TMA) under this

@@ -1,10 +1,10 @@
 """Chunk-local stage: gate cumsum, decayed K K^T and Q K^T, the UT transform (W, U).
 
-This one kernel fuses what DESIGN.md §2 lists as two stages (gate cumsum, intra-chunk UT) so the
+This one kernel fuses what docs/design.md §2 lists as two stages (gate cumsum, intra-chunk UT) so the
 gates are read once. One thread block per (chunk, head); no state is involved, so all chunks run
 in parallel.
 
-Math (DESIGN.md §2, per chunk of C tokens, rows i, columns j, key channel d):
+Math (docs/design.md §2, per chunk of C tokens, rows i, columns j, key channel d):
 
     gamma_i   = sum_{s <= i} g_s                          chunk-local cumsum, natural log, fp32
     Akk[i,j]  = sum_d k_i[d] k_j[d] exp(gamma_i[d] - gamma_j[d])            (j < i)
@@ -57,8 +57,7 @@ def _solve_macro(C, f32, threads):
     Ti[I, :I] = Tinv_II (-L[I, :I] Ti[:I, :I]) (_common.block_rows_macro).
 
     The scan over rows and the block-row sums stay loops in the generated code: fully unrolled,
-    the forward kernel stalled on instruction fetch (H200, S1: 4.1 ms unrolled, 2.3 ms as loops,
-    1.72 ms as loops with 256 threads).
+    the kernel stalls on instruction fetch.
     """
     BS = SUB
     NSUB = C // BS
@@ -151,7 +150,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     solve = _solve_macro(C, f32, threads)
     row_scan = row_scan_macro(C, K, threads)
     # row blocks I < NSUB / 2 need the columns j < 16 (I + 1) <= NCH only: their MMA and masks
-    # run over NCH columns (same bits; S1 on an H200 1.375 -> 1.340 ms), where that MMA still has an
+    # run over NCH columns (same bits, a quarter fewer MMA tiles), where that MMA still has an
     # m16n8 tile for each warp (TileLang finds no warp partition otherwise: chunk_size 32 or 16)
     NCH = BS * (NSUB // 2)
     head = NCH > 0 and (2 * BS // 16) * (NCH // 8) >= threads // 32
@@ -188,8 +187,8 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             kqp_s = T.alloc_shared([2 * BS, K], op)
             km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1) (rest unread)
             # row pitch C + 8: the stores of Akk from the MMA fragment (8 rows x 4 column pairs per
-            # warp) and the solve's reads of two rows at once spread over the banks (a pitch of C put
-            # the 8 rows on one bank: 8-way conflicts, 7% of the kernel's shared wavefronts on an H200)
+            # warp) and the solve's reads of two rows at once spread over the banks (a pitch of C puts
+            # the 8 rows on one bank: 8-way conflicts)
             L_s = T.alloc_shared([C, C + 8], f32)
             Ti_s = T.alloc_shared([C, C], f32)
             Td_s = T.alloc_shared([NSUB, BS, BS], f32)
@@ -210,11 +209,9 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             # g, k and q by TMA, issued at once by one thread: the scan waits for g alone and runs
             # while k and q arrive. Rows past the tensor's end arrive as zeros; rows past eos but
             # inside the tensor (the next sequence's) are masked in the scan (g) and zeroed below
-            # (k, q; a branch only the chunks that end a sequence early take). As per-thread
-            # loads with a predicate per row, the 16-byte pieces' address arithmetic was 9% of
-            # the kernel's instructions and the scan waited for all of them (H200, S1: 1.31 ->
-            # 1.13 ms, same bits; 1.10 with v by TMA too). TMA needs 16-byte aligned tensors
-            # (chunk_kda_fwd checks).
+            # (k, q; a branch only the chunks that end a sequence early take). This spares the
+            # per-row predicates and address arithmetic of per-thread loads, and the scan need
+            # not wait for k and q. TMA needs 16-byte aligned tensors (chunk_kda_fwd checks).
             bar_g = T.alloc_barrier(1)
             bar_kq = T.alloc_barrier(1)
             T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bar_g)
@@ -473,17 +470,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         dtype: q/k/v dtype ("bfloat16" or "float16"); accum_dtype must be "float32".
         scale: the output scale folded into Qg and Aqk (static; part of the cache key).
         threads: per block, a multiple of K and 16 times a divisor of 16 (ValueError
-            otherwise); 256 (two warpgroups: fewer registers per thread, two blocks per SM)
-            measured 1.72 ms at S1 on an H200 against 2.3 ms with 128; 1.58 ms since q is read
-            once with k and g, Qg and Kd are written in the row-block loop, the masked rows of the
-            column factor take no exponential, v's load is issued before the solve and the
-            solve's block rows sum several columns per thread (same bits as before); 1.53 ms
-            with nvcc fast math; 1.39 ms (S3 2.99 -> 2.71) with one MMA for a row block's Akk and
-            Aqk and W, U stored by TMA (same bits); 1.34 ms (S3 2.69 -> 2.64, same bits) with the
-            first half of the row blocks over the first half of the columns; ~1% less without
-            initialising the column table and the solve's lower blocks (same bits); 1.10 ms
-            (S3 2.59 -> 2.16, same bits) with g, k, q, v loaded by TMA (one thread issues them,
-            the scan waits for g alone).
+            otherwise); 256, the tuned value: two warpgroups need fewer registers per thread,
+            so two blocks share an SM (docs/kernels.md).
         block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
             common factory signature.
     Returns:

@@ -8,13 +8,13 @@ chunk-local tensors from intra.py:
     O   = Qg S + Aqk V'               output rows of the chunk   (scale already folded in)
     S  <- Diag(eC) S + Kd^T V'        state entering the next chunk
 
-The output stage of DESIGN.md §2 is fused here: O needs the same S and V' that the state pass
+The output stage of docs/design.md §2 is fused here: O needs the same S and V' that the state pass
 already holds, so fusing saves writing and re-reading the per-chunk states and V'. Two forms: 64
 columns on one warpgroup carry S^T and compute the transposed products, so that S^T and V'^T are
 register A operands of the MMAs; narrower blocks keep S and V' in shared memory as B operands
 (_state_output_func). _common.state_launch picks one.
 
-Summary mode (DESIGN.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
+Summary mode (docs/design.md §3): the same pass from the augmented state [0 | I] (K x (V + K)) with
 pseudo-values [U | 0] ends in [S~ | M], the segment's affine map S_out = M S_in + S~. Columns are
 independent, so each block owns 64 columns of either the S~ part or the M part and carries them
 transposed. Every product there carries fp32-level accuracy on tensor cores, never one plain 16-bit
@@ -204,14 +204,11 @@ def build_state_output_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32",
         block_v: value columns per thread block; threads, num_stages: launch knobs (chunk_kda_fwd
             picks block_v and threads with :func:`._common.state_launch`, among STATE_LAUNCHES).
             (64, 128), 64 columns on one warpgroup, builds the transposed, register-operand form;
-            every other launch the form with S and V' in shared memory. One chunk step on an
-            H200 (K = V = 128, bf16): (64, 128) 1.24 us, (32, 128) 0.99, (16, 128) 0.75
-            (_common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
-            None takes 3 for the shared-operand form (with O staged in shared memory, one run:
-            S1 0.64 -> 0.53 ms at (32, 128), S3 1.78 -> 1.58 at (16, 128)) and 2 for the
-            register-operand form (3 measured within 2.5%). Both forms issue the output's Qg S
-            with W S and wait for W S alone (same bits; shared-operand form S3 1.62 -> 1.57 ms,
-            register-operand form S1 0.758 -> 0.684, S2 0.419 -> 0.409 in one A/B run).
+            every other launch the form with S and V' in shared memory (step times:
+            _common.STATE_STEP_US). num_stages: chunks of W, U, Qg, Kd, Aqk, eC in flight (TMA);
+            None takes 3 for the shared-operand form and 2 for the register-operand form, where a
+            third stage gains nothing. Both forms issue the output's Qg S with W S and wait for
+            W S alone, forming V' while the tensor cores run Qg S (docs/kernels.md).
     Returns:
         kernel(W, U, Qg, Kd, Aqk, Ec, Seq[N,4] i32, H0, O[TT,H,V], HT); O and HT are written. Seq
         rows are (first chunk, chunks, bos, eos) with bos <= eos, as _common.build_chunk_tables
@@ -246,8 +243,8 @@ def _summary_func(H, K, V, C, f32, block_v, threads, in_dtype):
     op = "custom[tfloat32]"
 
     def tf32(x):
-        """An fp32 value as a TF32 operand: a bit-cast, no rounding conversion (on the H200 the
-        summaries came out bitwise equal to those of the rounding conversion)."""
+        """An fp32 value as a TF32 operand: a bit-cast, no rounding conversion (the summaries
+        are bitwise equal to those of the rounding conversion)."""
         return T.reinterpret(x, op)
 
     def head(x):  # the operand piece that carries x's leading bits
@@ -490,11 +487,10 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
     bf16 inputs with operands="bf16x2" (what CP runs): W and Kd are exact bf16 operands; S^T and
     V'^T, each split into two bf16 pieces (head + tail, 16 significant bits), are the A operands of
     register-sourced wgmma, so they never go through shared memory; one warpgroup computes and a
-    TMA producer warpgroup streams W, Kd, U, eC num_stages chunks ahead. H200, S1 (T=32768, H=32):
-    0.67 ms (the previous kernel, which stored both pieces of S^T and V'^T into shared memory for
-    two warpgroups that each read all of them, 1.62 ms; it ran the L1/shared pipe at 76%). Other
+    TMA producer warpgroup streams W, Kd, U, eC num_stages chunks ahead. Keeping the pieces in
+    registers spares the shared-memory traffic that would otherwise bound the pass. Other
     inputs take TF32 MMAs with every operand in shared memory (two warpgroups, asynchronous MMAs
-    overlapping the next chunk's loads; S1 2.54 ms for bf16 inputs): fp16 W and Kd are exact in
+    overlapping the next chunk's loads; about 3.5x slower for bf16 inputs): fp16 W and Kd are exact in
     TF32 and only the state and V' are split (2xTF32); fp32 inputs (the summary intra kernel's)
     split every operand (3xTF32).
 

@@ -16,7 +16,7 @@ gradients equal those of the unsharded attention (to rounding).
 
 Communication per rank and layer: the all-gather moves 2 * B * T * H * D values (K and V of the
 whole sequence) to every rank in forward, and the reduce-scatter as many in backward: it grows
-with T, unlike the KDA state exchange (DESIGN.md §3).
+with T, unlike the KDA state exchange (docs/design.md §4.3).
 """
 
 from __future__ import annotations

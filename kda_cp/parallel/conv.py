@@ -1,4 +1,4 @@
-"""Causal depthwise short convolution, exact under context parallelism (DESIGN.md §5).
+"""Causal depthwise short convolution, exact under context parallelism (docs/design.md §6).
 
 KDA layers run a causal depthwise convolution of width W (4 by default) over q, k and v before the
 SiLU (Kimi Linear Eq. 15). Output position t reads inputs t-W+1 .. t, so when the sequence is cut
@@ -168,7 +168,7 @@ def causal_conv1d(
             W - 1, or empty).
         cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (FlashAttention convention, B = 1),
             the same on every rank; taps never cross a sequence start, also when the sequence
-            start falls inside the halo (DESIGN.md §5, §4).
+            start falls inside the halo (docs/design.md §6, §5).
 
     Returns:
         y: [B, T_r, D] in x's dtype; equal (forward and backward) to slicing the unsharded result.

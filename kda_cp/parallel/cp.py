@@ -1,6 +1,6 @@
 """Context-parallel KDA: exact chunk_kda over a sequence sharded across the ranks of a group.
 
-Forward on rank r (DESIGN.md §3-4; Kimi K3 report, CP by affine prefix scan):
+Forward on rank r (docs/design.md §3-§5; Kimi K3 report, CP by affine prefix scan):
   0. the state-independent half of the local forward (gates, decayed products, UT transform:
      ``Backend.prepare``), computed once and shared by steps 1 and 3;
   1. summarize the shard's last segment from it: (M, S~) with S_out = M S_in + S~. When that
@@ -354,7 +354,7 @@ def cp_chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
-    Math: the module docstring (DESIGN.md §3-4); the recurrence of Kimi Linear Eq. 1.
+    Math: the module docstring (docs/design.md §3-§5); the recurrence of Kimi Linear Eq. 1.
 
     Args:
         q, k: [B, T_r, H, K], this rank's contiguous shard (rank r holds the r-th piece along T).

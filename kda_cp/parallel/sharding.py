@@ -1,6 +1,6 @@
 """Cutting a global sequence into contiguous per-rank shards and putting it back together.
 
-Rank r of a CP group of size P holds tokens [r * T / P, (r + 1) * T / P) (DESIGN.md; contiguous,
+Rank r of a CP group of size P holds tokens [r * T / P, (r + 1) * T / P) (docs/design.md §4; contiguous,
 in order: a recurrence needs in-order shards, not zigzag). Shards may have unequal lengths.
 """
 

@@ -1,6 +1,6 @@
 """Head-parallel sequence parallelism (DeepSpeed Ulysses) around the single-device KDA op.
 
-The other way to shard a sequence (DESIGN.md §7), here to be measured against the affine-scan CP of
+The other way to shard a sequence (docs/design.md §8), here to be measured against the affine-scan CP of
 :func:`kda_cp.parallel.cp_chunk_kda`. With P ranks in the CP group and H heads (H % P == 0):
 
     [B, T/P, H, *]  --all-to-all-->  [B, T, H/P, *]     every rank: the whole sequence, H/P heads

@@ -1,4 +1,4 @@
-"""Packed sequences across CP ranks: each rank's local view of a global cu_seqlens (DESIGN.md §4).
+"""Packed sequences across CP ranks: each rank's local view of a global cu_seqlens (docs/design.md §5).
 
 With varlen input (B = 1, cu_seqlens in the FlashAttention convention) a sequence may start on
 one rank and end several ranks later, and a rank may hold many whole sequences. Rank r holds
