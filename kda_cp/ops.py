@@ -438,6 +438,25 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
 # --------------------------------------------------------------------------------------------
 
 
+def first_order_only(op: str):
+    """Decorate an autograd backward (outside ``once_differentiable``): NotImplementedError when it
+    runs under ``create_graph=True``, where the gradient would otherwise carry no graph."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():  # autograd runs backward in grad mode iff create_graph=True
+                raise NotImplementedError(
+                    f"{op}: double backward (create_graph=True) is not implemented; the backward is hand-written "
+                    "and not differentiable. Take first-order gradients only (create_graph=False)"
+                )
+            return backward(ctx, *grads)
+
+        return checked
+
+    return wrap
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd for chunk_kda: forward by the backend's fwd, backward by its bwd."""
 
@@ -454,6 +473,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @first_order_only("chunk_kda")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu_seqlens, *kept = ctx.saved_tensors
@@ -514,7 +534,8 @@ def chunk_kda(
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
             the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
             (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale.
-        NotImplementedError: backend="tilelang" for inputs the kernels do not cover.
+        NotImplementedError: backend="tilelang" for inputs the kernels do not cover; in backward,
+            a double backward (``create_graph=True``).
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
