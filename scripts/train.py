@@ -609,6 +609,16 @@ def config_drift(saved: dict | None, current: dict) -> list[str]:
             if k not in RESUME_SAFE_KEYS and old[k] != new[k]]
 
 
+def _drift_message(path: Path, saved: dict | None, cfg: TrainConfig) -> str:
+    """The refusal of a resume whose config changed keys outside RESUME_SAFE_KEYS, or ""."""
+    drift = config_drift(saved, asdict(cfg))
+    if not drift:
+        return ""
+    return (f"trainer.resume: this config differs from that of {path} in keys that change the computation: "
+            f"{', '.join(drift)}. Resume with the checkpoint's values (its config.json); only the loop, output "
+            "and execution keys may change (scripts/train.py: RESUME_SAFE_KEYS)")
+
+
 def _resume(engine, ckpts: CheckpointManager, layout: Layout, cfg: TrainConfig) -> int:
     """Load the newest checkpoint that verifies and loads on every rank; returns its step.
 
@@ -635,6 +645,8 @@ def _resume(engine, ckpts: CheckpointManager, layout: Layout, cfg: TrainConfig) 
                 elif saved_ranks != layout.world_size:
                     why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
                            f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
+                elif (found.path / "config.json").is_file():  # checked before loading: a new shape would not load
+                    why = _drift_message(found.path, json.loads((found.path / "config.json").read_text()), cfg)
         found, why, skipped = _broadcast_object((found, why, skipped), layout)
         if why:
             raise ConfigError(why)
@@ -655,13 +667,9 @@ def _resume(engine, ckpts: CheckpointManager, layout: Layout, cfg: TrainConfig) 
             logger.warning("checkpoint %s could not be loaded (%s): using an earlier one", found.path, error)
         skipped.append(error)
         before = found.step
-    drift = config_drift(client.get("config"), asdict(cfg))
-    if drift:
-        raise ConfigError(
-            f"trainer.resume: this config differs from that of {found.path} in keys that change the computation: "
-            f"{', '.join(drift)}. Resume with the checkpoint's values (they are in its run's config.yaml); "
-            "only the loop, output and execution keys may change (scripts/train.py: RESUME_SAFE_KEYS)"
-        )
+    why = _drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
+    if why:
+        raise ConfigError(why)
     _set_rng_state(rng, layout.device)
     if layout.rank == 0:
         logger.info("resumed from %s at step %d", found.path, int(client["step"]))
@@ -757,6 +765,8 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     def save(step: int) -> None:
         def write(tmp: Path) -> None:
             engine.save(tmp, {"step": step, "config": asdict(cfg)})
+            if is_main:  # read on resume before the weights, to refuse a changed config
+                (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
             torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
 
         ckpts.save(step, write)
