@@ -108,6 +108,7 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
     """SIGKILL rank 1 while both ranks train: the job (torchrun and rank 0) ends, non-zero, within
     a deadline far below the collective timeout, and the steps written so far stay readable."""
@@ -159,6 +160,7 @@ def _group_timeout_rank(rank, world, timeout_s):
     return out
 
 
+@pytest.mark.slow
 def test_training_groups_have_a_finite_deadline():
     """The mesh's groups get parallel.timeout_s (torch would give new groups 30 min): a collective
     that a rank never joins fails on the waiting rank after about that long."""
@@ -174,6 +176,7 @@ def test_training_groups_have_a_finite_deadline():
 CKPT = [*TINY, "parallel.cp=2", "trainer.max_steps=8", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=4"]
 
 
+@pytest.mark.slow
 def test_corrupted_checkpoints_fall_back_then_refuse(tmp_path):
     """Steps 8, 6, 4 corrupted by a bit flip, same-size garbage and truncation, and metrics.jsonl
     torn mid-line: the resume warns about each, continues from step 2, and its losses and metrics
@@ -257,6 +260,7 @@ def test_metrics_torn_or_past_the_checkpoint_are_cut_and_appended(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_full_disk_while_checkpointing(tmp_path):
     """A tmpfs with room for one checkpoint and a half: step 2's checkpoint is written, step 4's
     fails. Both ranks stop with one line "checkpoint step 4: no space left on device (<path>)",
@@ -347,6 +351,7 @@ def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_errors_under_torchrun_print_one_line_and_leave_no_run_dir(tmp_path):
     run = tmp_path / "run"
     proc = _torchrun([*TINY, "parallel.cp=2", "data.path=/no/such/corpus", f"trainer.run_dir={run}"], timeout=120)
