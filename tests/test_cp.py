@@ -183,3 +183,32 @@ def test_double_backward_raises_on_every_rank():
     for rank, (msg, first_order) in enumerate(run_ranks(_double_backward_rank, 2)):
         assert msg.startswith("cp_chunk_kda: double backward (create_graph=True)"), f"rank {rank}: {msg!r}"
         assert first_order
+
+
+def _non_member_rank(rank, world):
+    from kda_cp.parallel import causal_conv1d, ulysses_kda
+
+    group = dist.new_group(ranks=[0])  # collective: every rank creates it, rank 1 is outside
+    if rank == 0:
+        return []
+    q, k, v, g, beta, _ = make_inputs(1, 16, 2, 8, 4, seed=0)
+    x, w = torch.randn(1, 16, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    calls = [lambda: cp_chunk_kda(q, k, v, g, beta, cp_group=group),
+             lambda: ulysses_kda(q, k, v, g, beta, cp_group=group),
+             lambda: causal_conv1d(x, w, cp_group=group)]
+    out = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("no error")
+    return out
+
+
+def test_a_rank_outside_the_group_is_told_so():
+    """Every distributed op called with a group this rank is not in: the error says so (torch
+    hands non-members a placeholder whose size reads -1)."""
+    for msg in run_ranks(_non_member_rank, 2)[1]:
+        assert "(global rank 1 of 2) is not a member of the given cp_group" in msg and "-1" not in msg, msg
