@@ -23,8 +23,16 @@ chosen on rank 0 and broadcast; only rank 0 writes metadata): ``config.yaml``, `
 (one line per step: step, loss, tokens_per_s, lr, grad_norm, and mfu on GPU; val_loss lines),
 ``checkpoints/step_N/`` (every ``trainer.checkpoint_every`` steps and at the end, atomic with a
 manifest, kda_cp.checkpoint), ``summary.json`` (incl. peak memory) and ``loss.png``.
-``trainer.resume=true`` continues from the newest complete checkpoint: model, optimizer,
-scheduler, step, RNG state; the data order is a function of (data.seed, step).
+``trainer.resume=true`` continues from the newest checkpoint that verifies (sizes and sha256) and
+loads: model, optimizer, scheduler, step, RNG state; the data order is a function of (data.seed,
+step). A checkpoint that fails either is skipped with a warning naming why; none left, or a config
+that changed keys outside RESUME_SAFE_KEYS, is an error that changes nothing. ``metrics.jsonl`` is
+cut after the resumed step and appended to.
+
+Errors: config keys the schema lacks (also ``+key=value``), bad values and cross-group mismatches
+are refused before any process group exists. The command line prints one line per error (once,
+from rank 0, when every rank has it) and exits 1; ``KDA_CP_DEBUG=1`` re-raises with the
+traceback. ``python scripts/train.py --help`` lists the groups, keys and common overrides.
 """
 
 from __future__ import annotations
