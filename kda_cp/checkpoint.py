@@ -148,9 +148,10 @@ class CheckpointManager:
         barrier: a callable that blocks until every rank reached it (``lambda: None`` for one process).
         keep: number of complete checkpoints kept (>= 1; 2 keeps a fallback).
         agree: collective ``agree(error: str | None) -> str | None``: every rank passes its own
-            error (or None) and gets the first failing rank's error (or None when all succeeded);
-            the default, for one process, returns its argument. Without it a rank whose write
-            failed would leave the others waiting in ``barrier``.
+            error (or None) and gets the first failing rank's error (or None when all succeeded).
+            Every stage of a save ends in it. The default calls ``barrier`` and returns the
+            argument: right for one process; with several, a rank whose write failed would
+            leave the others waiting in the next barrier, so pass a real ``agree``.
 
     Raises:
         ValueError: keep is not an int >= 1.
@@ -164,7 +165,12 @@ class CheckpointManager:
         self.rank = rank
         self.barrier = barrier
         self.keep = keep
-        self.agree = agree or (lambda error: error)
+        self.agree = agree or self._barrier_only
+
+    def _barrier_only(self, error: str | None) -> str | None:
+        """The default ``agree``: synchronizes through ``barrier``; shares no other rank's error."""
+        self.barrier()
+        return error
 
     def path(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:08d}"
@@ -207,20 +213,22 @@ class CheckpointManager:
         stage(make)
         stage(lambda: write(tmp))
         stage(lambda: self._seal(step, tmp) if self.rank == 0 else None)
-        if self.rank == 0:
-            old = self.root / f"{_OLD_PREFIX}{final.name}"
-            if final.exists():  # a re-run of the same step: the old copy is set aside, not deleted yet
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+        stage(lambda: self._publish(step, tmp, final) if self.rank == 0 else None)
+        return final
+
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """Rename the sealed ``tmp`` to ``final`` (an existing copy set aside first), then prune."""
+        old = self.root / f"{_OLD_PREFIX}{final.name}"
+        if final.exists():  # a re-run of the same step: the old copy is set aside, not deleted yet
             if old.exists():
                 shutil.rmtree(old)
-            self._prune(step)
-            logger.info("checkpoint step %d -> %s", step, final)
-        self.barrier()
-        return final
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        if old.exists():
+            shutil.rmtree(old)
+        self._prune(step)
+        logger.info("checkpoint step %d -> %s", step, final)
 
     def _seal(self, step: int, tmp: Path) -> None:
         """fsync every file, then write MANIFEST.json (sizes and sha256) by an atomic rename."""
