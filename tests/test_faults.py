@@ -147,7 +147,7 @@ def _group_timeout_rank(rank, world, timeout_s):
     dims = ParallelDims.from_cp(world, world)
     dims.build_mesh("cpu", timeout=timedelta(seconds=timeout_s))
     if rank == 1:  # never joins: rank 0's collectives must give up after timeout_s
-        time.sleep(4 * timeout_s + 4)
+        time.sleep(2 * timeout_s + 5)  # then exits: without the deadline rank 0 would wait for that
         return None
     out = {}
     for name, group in (("cp", dims.cp_group), ("dp_cp", dims.dp_cp_group)):
@@ -164,9 +164,9 @@ def _group_timeout_rank(rank, world, timeout_s):
 def test_training_groups_have_a_finite_deadline():
     """The mesh's groups get parallel.timeout_s (torch would give new groups 30 min): a collective
     that a rank never joins fails on the waiting rank after about that long."""
-    out = run_ranks(_group_timeout_rank, 2, 2, timeout=90)[0]
+    out = run_ranks(_group_timeout_rank, 2, 1, timeout=90)[0]
     for name, (what, elapsed) in out.items():
-        assert what != "completed" and elapsed < 8, (name, what, elapsed)
+        assert what != "completed" and elapsed < 4, (name, what, elapsed)
 
 
 # ------------------------------------------------------------------------------------------------
