@@ -395,3 +395,30 @@ def test_help_and_debug_traceback():
         "the fields of its dataclass)"]
     proc = _python(["+foo=1"], env={**ENV, "KDA_CP_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError: unknown config key" in proc.stderr
+
+
+def test_failure_in_the_first_step_leaves_no_run_dir(tmp_path, monkeypatch):
+    """The run directory is made just before the first step and removed if that step fails; once a
+    step is recorded it stays."""
+    run = tmp_path / "run"
+    real = train_script._loss_sum
+    calls = []
+
+    def fails_at(n):
+        def loss_sum(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise RuntimeError("injected failure")
+            return real(*args, **kwargs)
+
+        return loss_sum
+
+    monkeypatch.setattr(train_script, "_loss_sum", fails_at(1))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+    assert not run.exists()
+    calls.clear()
+    monkeypatch.setattr(train_script, "_loss_sum", fails_at(2))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+    assert [m["step"] for m in _records(run)] == [1]
