@@ -4,27 +4,36 @@ Layout under a run directory::
 
     checkpoints/step_00000040/      a complete checkpoint (whatever the writer put there:
         ...                         torch.save files, or DeepSpeed's per-rank shards)
-        MANIFEST.json               written LAST: step, and every file's relative path and size
+        MANIFEST.json               written LAST: step, and every file's relative path, size
+                                    and sha256
     checkpoints/.tmp-step_00000050/ a checkpoint being written (ignored when reading)
 
 Saving (collective over all ranks): rank 0 makes an empty ``.tmp-step_N``; every rank writes its
-files into it (``write(tmp_dir)``); after a barrier, rank 0 lists the files with their sizes into
-``MANIFEST.json`` (itself written to a temporary name and os.replace'd), fsyncs, and renames the
+files into it (``write(tmp_dir)``); once every rank has written, rank 0 lists the files with their
+sizes and sha256 digests into ``MANIFEST.json`` (itself written to a temporary name and
+os.replace'd), fsyncs, and renames the
 directory to ``step_N`` with os.replace (atomic on one filesystem); older checkpoints beyond
 ``keep`` are deleted, never the one just written. A process killed at any point leaves either the
 previous complete checkpoint or the new one, never a half-written ``step_N`` that passes
 verification. Saving a step that already has a checkpoint (a run resumed before it) first renames
 the old copy to ``.old-step_N``, which :meth:`CheckpointManager.latest` still reads should the
-process die before the new copy is in place, and deletes it after.
+process die before the new copy is in place, and deletes it after. An error while saving on any
+rank (an OSError such as a full disk, or torch's own write errors) removes the temporary directory
+on rank 0, leaves the earlier checkpoints as they were, and raises :class:`CheckpointWriteError`
+("checkpoint step N: <reason> (<path>)") on every rank.
 
-Reading: :meth:`CheckpointManager.latest` walks the ``step_*`` directories from the newest and
-returns the first whose manifest exists, parses, names the step, and matches every listed file's
-size; a directory that fails (cut off mid-write, truncated file, missing manifest) is logged and
-skipped, so the previous checkpoint is used.
+Reading: :meth:`CheckpointManager.complete` walks the ``step_*`` directories from the newest and
+keeps those whose manifest exists, parses, names the step, and matches every listed file's size and
+sha256; a directory that fails (cut off mid-write, truncated or corrupted file, missing manifest) is
+logged with the reason and skipped, so an earlier checkpoint is used. Manifests written before
+digests were recorded (sizes only) are checked by size. :meth:`CheckpointManager.latest` is the
+first of them.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "MANIFEST", "verify"]
+__all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointWriteError", "MANIFEST", "verify", "sha256_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,10 @@ MANIFEST = "MANIFEST.json"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
+
+
+class CheckpointWriteError(OSError):
+    """Saving a checkpoint failed on some rank; the message is "checkpoint step N: <reason> (<path>)"."""
 
 
 @dataclass(frozen=True)
@@ -62,31 +75,68 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _listing(root: Path) -> dict[str, int]:
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in blocks of ``block`` bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _listing(root: Path) -> dict[str, dict]:
     return {
-        str(p.relative_to(root)): p.stat().st_size
+        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
 
 
-def verify(path: Path) -> tuple[int | None, str]:
-    """(step, "") when ``path`` holds a complete checkpoint, else (None, the reason)."""
+def verify(path: Path, hashes: bool = True) -> tuple[int | None, str]:
+    """(step, "") when ``path`` holds a complete checkpoint, else (None, the reason).
+
+    ``hashes``: also compare every file's sha256 with the manifest (reads every byte); False
+    checks the sizes only.
+    """
     manifest = path / MANIFEST
     if not manifest.is_file():
         return None, f"no {MANIFEST} (cut off before it was sealed)"
     try:
         meta = json.loads(manifest.read_text())
         step, files = int(meta["step"]), dict(meta["files"])
-    except (ValueError, KeyError, TypeError, OverflowError) as exc:
+        # an entry is {"size": n, "sha256": hex}, or the bare size of a manifest without digests
+        entries = {rel: (e, None) if isinstance(e, int) else (int(e["size"]), e.get("sha256"))
+                   for rel, e in files.items()}
+    except (ValueError, KeyError, TypeError, OverflowError, AttributeError, UnicodeDecodeError) as exc:
         return None, f"unreadable {MANIFEST}: {exc}"
-    for rel, size in files.items():
+    for rel, (size, digest) in entries.items():
         f = path / rel
         if not f.is_file():
             return None, f"missing file {rel}"
         if f.stat().st_size != size:
             return None, f"file {rel} has {f.stat().st_size} bytes, the manifest says {size}"
+        if hashes and digest is not None and sha256_file(f) != digest:
+            return None, f"file {rel} does not match its sha256 in the manifest (corrupted)"
     return step, ""
+
+
+def _reason(exc: BaseException, where: Path) -> tuple[str, str]:
+    """(reason, path) of a failed write, for "checkpoint step N: <reason> (<path>)".
+
+    torch.save to a path reports a full disk as RuntimeError("... iostream error"): when the
+    filesystem has no space left, the reason says so.
+    """
+    path = str(getattr(exc, "filename", None) or where)
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and code:
+        return os.strerror(code).lower(), path
+    try:
+        full = os.statvfs(where if where.exists() else where.parent).f_bavail == 0
+    except OSError:
+        full = False
+    if full:
+        return os.strerror(errno.ENOSPC).lower(), path
+    return f"{type(exc).__name__}: {exc}", path
 
 
 class CheckpointManager:
@@ -97,18 +147,30 @@ class CheckpointManager:
         rank: this process's global rank (rank 0 creates, seals, renames and prunes).
         barrier: a callable that blocks until every rank reached it (``lambda: None`` for one process).
         keep: number of complete checkpoints kept (>= 1; 2 keeps a fallback).
+        agree: collective ``agree(error: str | None) -> str | None``: every rank passes its own
+            error (or None) and gets the first failing rank's error (or None when all succeeded).
+            Every stage of a save ends in it. The default calls ``barrier`` and returns the
+            argument: right for one process; with several, a rank whose write failed would
+            leave the others waiting in the next barrier, so pass a real ``agree``.
 
     Raises:
         ValueError: keep is not an int >= 1.
     """
 
-    def __init__(self, run_dir: str | Path, rank: int, barrier: Callable[[], None], keep: int = 2) -> None:
+    def __init__(self, run_dir: str | Path, rank: int, barrier: Callable[[], None], keep: int = 2,
+                 agree: Callable[[str | None], str | None] | None = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"trainer.keep_checkpoints must be an int >= 1, got {keep!r}")
         self.root = Path(run_dir) / "checkpoints"
         self.rank = rank
         self.barrier = barrier
         self.keep = keep
+        self.agree = agree or self._barrier_only
+
+    def _barrier_only(self, error: str | None) -> str | None:
+        """The default ``agree``: synchronizes through ``barrier``; shares no other rank's error."""
+        self.barrier()
+        return error
 
     def path(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:08d}"
@@ -118,45 +180,75 @@ class CheckpointManager:
 
         Raises:
             ValueError: step is not an int >= 0 (checked before anything is written).
+            CheckpointWriteError: on every rank, when making the directory, any rank's ``write``
+                or the sealing raised an Exception: "checkpoint step N: <reason> (<path>)", e.g.
+                "no space left on device". The temporary directory is removed; earlier
+                checkpoints are untouched.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
         final = self.path(step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}"
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        self.barrier()
-        write(tmp)
-        self.barrier()
-        if self.rank == 0:
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb+") as fh:
-                        os.fsync(fh.fileno())
-            sealed = tmp / (MANIFEST + ".tmp")
-            sealed.write_text(json.dumps({"step": step, "files": _listing(tmp)}, indent=1))
-            os.replace(sealed, tmp / MANIFEST)
-            _fsync_dir(tmp)
-            old = self.root / f"{_OLD_PREFIX}{final.name}"
-            if final.exists():  # a re-run of the same step: the old copy is set aside, not deleted yet
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            if old.exists():
-                shutil.rmtree(old)
-            self._prune(step)
-            logger.info("checkpoint step %d -> %s", step, final)
-        self.barrier()
+
+        def stage(fn) -> None:  # run fn on this rank, then fail together if any rank failed
+            error = None
+            try:
+                fn()
+            except Exception as exc:
+                reason, where = _reason(exc, tmp)
+                error = f"checkpoint step {step}: {reason} ({where})"
+            error = self.agree(error)
+            if error is not None:
+                if self.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointWriteError(error)
+
+        def make() -> None:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+
+        stage(make)
+        stage(lambda: write(tmp))
+        stage(lambda: self._seal(step, tmp) if self.rank == 0 else None)
+        stage(lambda: self._publish(step, tmp, final) if self.rank == 0 else None)
         return final
 
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """Rename the sealed ``tmp`` to ``final`` (an existing copy set aside first), then prune."""
+        old = self.root / f"{_OLD_PREFIX}{final.name}"
+        if final.exists():  # a re-run of the same step: the old copy is set aside, not deleted yet
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        if old.exists():
+            shutil.rmtree(old)
+        self._prune(step)
+        logger.info("checkpoint step %d -> %s", step, final)
+
+    def _seal(self, step: int, tmp: Path) -> None:
+        """fsync every file, then write MANIFEST.json (sizes and sha256) by an atomic rename."""
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        files = _listing(tmp)  # before the manifest's own temporary file exists
+        sealed = tmp / (MANIFEST + ".tmp")
+        with open(sealed, "w") as fh:
+            fh.write(json.dumps({"step": step, "files": files}, indent=1))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(sealed, tmp / MANIFEST)
+        _fsync_dir(tmp)
+
     def _prune(self, written: int) -> None:
-        """Keep the checkpoint just written and the ``keep - 1`` newest complete ones before it."""
-        older = [c for c in self._candidates() if c.step < written and verify(c.path)[0] is not None]
+        """Keep the checkpoint just written and the ``keep - 1`` newest complete ones before it
+        (complete by the sizes in their manifests: pruning does not read every byte)."""
+        older = [c for c in self._candidates() if c.step < written and verify(c.path, hashes=False)[0] is not None]
         for c in older[self.keep - 1 :]:
             shutil.rmtree(c.path, ignore_errors=True)
 
@@ -172,11 +264,22 @@ class CheckpointManager:
                     found[int(p.name[len(prefix) :])] = p
         return [CheckpointInfo(s, found[s]) for s in sorted(found, reverse=True)]
 
-    def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint, or None; incomplete ones are logged and skipped."""
+    def latest(self, before: int | None = None) -> CheckpointInfo | None:
+        """The newest complete checkpoint (of a step < ``before`` when given), or None.
+
+        Incomplete or corrupted directories met on the way are logged as warnings with the reason
+        and skipped (and listed in :attr:`skipped`). Verifying reads every byte (sha256), so call
+        it on one rank.
+        """
+        self.skipped: list[str] = []
         for c in self._candidates():
+            if before is not None and c.step >= before:
+                continue
             step, why = verify(c.path)
-            if step is not None and step == c.step:
+            if step is not None and step != c.step:
+                why = f"its manifest names step {step}"
+            if not why:
                 return c
-            logger.warning("checkpoint %s is incomplete (%s): using an earlier one", c.path, why or "step mismatch")
+            self.skipped.append(f"{c.path.name}: {why}")
+            logger.warning("checkpoint %s is incomplete or corrupted (%s): using an earlier one", c.path, why)
         return None

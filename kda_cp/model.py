@@ -67,8 +67,9 @@ class ModelConfig:
     (flash-linear-attention's layer, :class:`kda_cp.peer.FlaKDALayer`, for side-by-side runs: an
     optional dependency, one GPU, needs output_gate_rank = head_dim)."""
     layer_pattern: str = "K"
-    """Token mixer of each block, repeated cyclically over n_layers: "K" KDA, "A" full attention
-    (NoPE, causal). "KKKA" is Kimi Linear's 3:1 hybrid; "K" a pure KDA model."""
+    """Token mixer of each block, repeated over n_layers: "K" KDA, "A" full attention (NoPE,
+    causal). n_layers must be a whole number of repeats (n_layers % len(layer_pattern) == 0).
+    "KKKA" is Kimi Linear's 3:1 hybrid (n_layers 4, 8, ...); "K" a pure KDA model."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "num_heads", "head_dim"):
@@ -78,6 +79,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "
                 f"got {self.layer_pattern!r}"
+            )
+        if self.n_layers % len(self.layer_pattern):  # a cut-off pattern would drop its later mixers
+            raise ValueError(
+                f"model.layer_pattern={self.layer_pattern!r} ({len(self.layer_pattern)} blocks) does not fit "
+                f"model.n_layers={self.n_layers}: n_layers must be a multiple of len(layer_pattern)"
             )
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"ModelConfig.mlp_hidden must be >= 1 or None (8/3 d_model rounded to 64), got {self.mlp_hidden}")

@@ -486,6 +486,25 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
 # --------------------------------------------------------------------------------------------
 
 
+def first_order_only(op: str):
+    """Decorate an autograd backward (outside ``once_differentiable``): NotImplementedError when it
+    runs under ``create_graph=True``, where the gradient would otherwise carry no graph."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():  # autograd runs backward in grad mode iff create_graph=True
+                raise NotImplementedError(
+                    f"{op}: double backward (create_graph=True) is not implemented; the backward is hand-written "
+                    "and not differentiable. Take first-order gradients only (create_graph=False)"
+                )
+            return backward(ctx, *grads)
+
+        return checked
+
+    return wrap
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd for chunk_kda: forward by the backend's fwd, backward by its bwd."""
 
@@ -502,6 +521,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @first_order_only("chunk_kda")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu_seqlens, *kept = ctx.saved_tensors
@@ -575,8 +595,8 @@ def chunk_kda(
             the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
             (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale,
             A_log not [H] or dt_bias not [H * K] / [H, K] with use_gate_in_kernel.
-        NotImplementedError: backend="tilelang" for inputs the kernels do not cover; double
-            backward (create_graph=True).
+        NotImplementedError: backend="tilelang" for inputs the kernels do not cover; in backward,
+            a double backward (``create_graph=True``).
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).

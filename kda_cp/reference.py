@@ -17,7 +17,8 @@ Conventions (flash-linear-attention's layout)::
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
     o_t = scale * S_t^T q_t                                        scale defaults to K ** -0.5
 
-Inputs are not validated here; :func:`kda_cp.ops.chunk_kda` is the checked public entry point.
+:func:`naive_recurrent_kda` (public) checks its inputs' shapes as :func:`kda_cp.ops.chunk_kda` does;
+the chunked functions do not (``chunk_kda`` is their checked entry point).
 """
 
 from __future__ import annotations
@@ -73,9 +74,19 @@ def naive_recurrent_kda(
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] or None.
 
+    Raises:
+        ValueError: the shape, dtype, device and cu_seqlens checks of :func:`kda_cp.chunk_kda`
+            (e.g. k's batch differs from q's, cu_seqlens does not end at T or decreases, B > 1
+            with cu_seqlens), naming the argument; not its value checks (any g, beta are taken).
+
     Numerics:
         Everything in the dtype of q (use fp64 in tests: the error is then ~1e-15).
     """
+    from kda_cp.ops import check_cu_seqlens, check_inputs  # ops imports this module
+
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, 64, False, None, layout_warning=False)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale

@@ -23,8 +23,16 @@ chosen on rank 0 and broadcast; only rank 0 writes metadata): ``config.yaml``, `
 (one line per step: step, loss, tokens_per_s, lr, grad_norm, and mfu on GPU; val_loss lines),
 ``checkpoints/step_N/`` (every ``trainer.checkpoint_every`` steps and at the end, atomic with a
 manifest, kda_cp.checkpoint), ``summary.json`` (incl. peak memory) and ``loss.png``.
-``trainer.resume=true`` continues from the newest complete checkpoint: model, optimizer,
-scheduler, step, RNG state; the data order is a function of (data.seed, step).
+``trainer.resume=true`` continues from the newest checkpoint that verifies (sizes and sha256) and
+loads: model, optimizer, scheduler, step, RNG state; the data order is a function of (data.seed,
+step). A checkpoint that fails either is skipped with a warning naming why; none left, or a config
+that changed keys outside RESUME_SAFE_KEYS, is an error that changes nothing. ``metrics.jsonl`` is
+cut after the resumed step and appended to.
+
+Errors: config keys the schema lacks (also ``+key=value``), bad values and cross-group mismatches
+are refused before any process group exists. The command line prints one line per error (once,
+from rank 0, when every rank has it) and exits 1; ``KDA_CP_DEBUG=1`` re-raises with the
+traceback. ``python scripts/train.py --help`` lists the groups, keys and common overrides.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import socket
 import sys
 import time
@@ -43,7 +52,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -54,7 +62,7 @@ from tqdm import tqdm
 
 import numpy as np
 
-from kda_cp.checkpoint import CheckpointManager
+from kda_cp.checkpoint import CheckpointManager, CheckpointWriteError
 from kda_cp.data import ByteCorpus, DataConfig, unigram_entropy
 from kda_cp.layers import CP_STRATEGIES
 from kda_cp.model import KDALanguageModel, ModelConfig, train_flops_per_token
@@ -80,7 +88,8 @@ class ParallelConfig:
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     timeout_s: int = 300
-    """Timeout of every collective (init_process_group): a stuck rank fails instead of hanging."""
+    """Deadline in seconds (> 0) of every collective, on the world group and the dp / cp groups:
+    a stuck or dead rank ends the job with an error instead of hanging."""
     threads_per_rank: int | None = None
     """torch CPU threads per process; None means cpu_count // local processes (1 on 2 cores x 2 ranks)."""
     strategy: str = "scan"
@@ -91,6 +100,10 @@ class ParallelConfig:
     (deepspeed when installed)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.cp, bool) or self.cp < 1:
+            raise ValueError(f"parallel.cp must be an int >= 1, got {self.cp}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s must be > 0 (seconds), got {self.timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.strategy not in CP_STRATEGIES:
@@ -190,6 +203,66 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
+    def __post_init__(self) -> None:
+        cp, T = self.parallel.cp, self.data.seq_len
+        if T < cp:
+            raise ValueError(f"data.seq_len={T} is too short for parallel.cp={cp}: every CP rank needs at least "
+                             f"one token of each sequence (seq_len >= cp)")
+        if self.parallel.strategy == "ulysses" and cp > 1:
+            if T % cp:
+                raise ValueError(f"parallel.strategy=ulysses needs data.seq_len % parallel.cp == 0, "
+                                 f"got seq_len={T}, cp={cp}")
+            if self.model.num_heads % cp:
+                raise ValueError(f"parallel.strategy=ulysses needs model.num_heads % parallel.cp == 0, "
+                                 f"got num_heads={self.model.num_heads}, cp={cp}")
+
+
+class ConfigError(ValueError):
+    """A config, input or resume error, raised the same way on every rank: reported once, as one line."""
+
+
+def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
+    """Keys of the composed config ``node`` that the dataclass ``schema`` does not declare (e.g.
+    ``+trainer.foo=1``, which Hydra adds and OmegaConf.to_object then drops without a word)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    out = []
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in names:
+            out.append(full)
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(node.get(key), DictConfig):
+            out.extend(_unknown_keys(node[key], hints[key], full + "."))
+    return out
+
+
+def to_train_config(cfg: "TrainConfig | DictConfig") -> "TrainConfig":
+    """The TrainConfig of a composed DictConfig (checked: no unknown key, every value valid).
+
+    Raises:
+        ConfigError: a key the schema does not declare, or a bad value (the message names the key).
+    """
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    unknown = _unknown_keys(cfg, TrainConfig)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (python scripts/train.py --help lists the groups; "
+                          "each group's keys are the fields of its dataclass)")
+    try:
+        return OmegaConf.to_object(cfg)
+    except Exception as exc:  # OmegaConf wraps the dataclasses' ValueError
+        cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
+        raise ConfigError(_one_line(cause)) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (OmegaConf and Hydra spread theirs over several)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text or type(exc).__name__
+
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (conf/*.yaml only compose them)."""
@@ -267,7 +340,7 @@ def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
                 os.environ.setdefault(key, value)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     dims = ParallelDims.from_cp(dist.get_world_size(), cfg.cp)
-    dims.build_mesh(device.type)
+    dims.build_mesh(device.type, timeout=timedelta(seconds=cfg.timeout_s))
     return build_layout(dims.world_size, dist.get_rank(), cfg.cp, device, dims)
 
 
@@ -474,11 +547,13 @@ def _plot(run_dir: Path, history: list[dict], entropy: float) -> Path | None:
 
 
 def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
-    """The run directory (chosen on rank 0, broadcast), created. A fresh run (trainer.resume=false)
-    refuses a directory that already holds a run's checkpoints or metrics, which it would overwrite.
+    """The run directory (chosen on rank 0, broadcast), not yet created: :func:`train` makes it
+    just before the first step, so a run that fails earlier leaves nothing behind. A fresh run
+    (trainer.resume=false) refuses a directory that already holds a run's checkpoints or metrics,
+    which it would overwrite.
 
     Raises:
-        ValueError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
+        ConfigError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
     """
     run_dir, error = cfg.run_dir, ""
     if layout.rank == 0:
@@ -497,44 +572,181 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
                          "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
     run_dir, error = _broadcast_object((run_dir, error), layout)
     if error:
-        raise ValueError(error)
-    run_dir = Path(run_dir)
+        raise ConfigError(error)
+    return Path(run_dir)
+
+
+def _agree(error: str | None, layout: Layout) -> str | None:
+    """Collective: the first rank's error message (by rank), or None when no rank has one."""
+    if not layout.distributed:
+        return error
+    box = [None] * layout.world_size
+    dist.all_gather_object(box, error)
+    return next((e for e in box if e is not None), None)
+
+
+#: Keys a resume may change: they steer the loop, the output or the execution, not the function
+#: computed (data, model, optimizer, precision, seed and the cp layout must match the checkpoint).
+RESUME_SAFE_KEYS = (
+    "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.checkpoint_every",
+    "trainer.keep_checkpoints", "trainer.run_dir", "trainer.runs_root", "trainer.resume", "trainer.progress",
+    "trainer.plot", "trainer.peak_tflops", "data.val_batches", "model.backend", "parallel.backend",
+    "parallel.device", "parallel.timeout_s", "parallel.threads_per_rank", "parallel.strategy",
+    "parallel.ulysses_impl", "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
+    "deepspeed.overlap_comm", "deepspeed.contiguous_gradients", "deepspeed.param_persistence_threshold",
+)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_drift(saved: dict | None, current: dict) -> list[str]:
+    """The keys (outside RESUME_SAFE_KEYS) whose values differ between a checkpoint's config and
+    this run's, as "key (saved -> now)"; keys present on one side only are not compared."""
+    if not saved:
+        return []
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
+            if k not in RESUME_SAFE_KEYS and old[k] != new[k]]
+
+
+def _drift_message(path: Path, saved: dict | None, cfg: TrainConfig) -> str:
+    """The refusal of a resume whose config changed keys outside RESUME_SAFE_KEYS, or ""."""
+    drift = config_drift(saved, asdict(cfg))
+    if not drift:
+        return ""
+    return (f"trainer.resume: this config differs from that of {path} in keys that change the computation: "
+            f"{', '.join(drift)}. Resume with the checkpoint's values (its config.json); only the loop, output "
+            "and execution keys may change (scripts/train.py: RESUME_SAFE_KEYS)")
+
+
+def _resume(engine, ckpts: CheckpointManager, layout: Layout, cfg: TrainConfig) -> int:
+    """Load the newest checkpoint that verifies and loads on every rank; returns its step.
+
+    A checkpoint that fails verification (rank 0: sizes and sha256) or fails to load on any rank
+    (missing file, failed unpickle, ...) is skipped with a warning naming the reason, and the one
+    before it is tried.
+
+    Raises:
+        ConfigError: on every rank: no valid checkpoint (nothing in the run directory is changed),
+            a checkpoint past trainer.max_steps or of another world size, or a config that differs
+            from the checkpoint's in keys that change the computation.
+    """
+    before, skipped = None, []
+    while True:
+        found, why = None, ""
+        if layout.rank == 0:
+            found = ckpts.latest(before)
+            skipped += ckpts.skipped
+            if found is not None:
+                saved_ranks = len(list(found.path.glob("rng_rank*.pt")))
+                if found.step > cfg.trainer.max_steps:
+                    why = (f"trainer.resume: the newest checkpoint {found.path} is at step {found.step}, past "
+                           f"trainer.max_steps={cfg.trainer.max_steps}: raise max_steps to continue it")
+                elif saved_ranks != layout.world_size:
+                    why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
+                           f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
+                elif (found.path / "config.json").is_file():  # checked before loading: a new shape would not load
+                    why = _drift_message(found.path, json.loads((found.path / "config.json").read_text()), cfg)
+        found, why, skipped = _broadcast_object((found, why, skipped), layout)
+        if why:
+            raise ConfigError(why)
+        if found is None:
+            detail = "; ".join(skipped) if skipped else "no checkpoint was written"
+            raise ConfigError(f"trainer.resume=true: no valid checkpoint in {ckpts.root} ({detail}); nothing was "
+                              "changed. Restore a checkpoint, or start a fresh run with a new trainer.run_dir")
+        error = None
+        try:
+            client = engine.load(found.path)
+            rng = torch.load(found.path / f"rng_rank{layout.rank}.pt", weights_only=False)
+        except Exception as exc:
+            error = f"{found.path.name}: rank {layout.rank}: {type(exc).__name__}: {_one_line(exc)}"
+        error = _agree(error, layout)
+        if error is None:
+            break
+        if layout.rank == 0:
+            logger.warning("checkpoint %s could not be loaded (%s): using an earlier one", found.path, error)
+        skipped.append(error)
+        before = found.step
+    why = _drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
+    if why:
+        raise ConfigError(why)
+    _set_rng_state(rng, layout.device)
     if layout.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+        logger.info("resumed from %s at step %d", found.path, int(client["step"]))
+    return int(client["step"])
+
+
+def _continue_metrics(path: Path, step: int) -> list[dict]:
+    """Keep metrics.jsonl's records up to ``step`` and cut the file after them, so that it goes on
+    by appending. A torn last line (a crash mid-write) and the records past ``step`` (steps run
+    after the checkpoint) are dropped, with a warning for the torn line. Returns the kept records."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    kept, end, pos = [], 0, 0
+    for raw in data.splitlines(keepends=True):
+        if raw.strip():
+            try:
+                rec = json.loads(raw)
+                rec_step = int(rec["step"])
+            except (ValueError, KeyError, TypeError):
+                logger.warning("%s: dropping an unreadable line at byte %d and what follows (torn by a crash): %r",
+                               path, pos, raw[:80])
+                break
+            if rec_step > step:
+                break
+            kept.append(rec)
+        pos += len(raw)
+        end = pos
+    with open(path, "r+b") as fh:
+        fh.truncate(end)
+        if end and not data[:end].endswith(b"\n"):  # a complete last record that lost its newline
+            fh.seek(end)
+            fh.write(b"\n")
+    return kept
 
 
 def train(cfg: TrainConfig | DictConfig) -> dict:
     """Run training; returns the summary dict (also written to summary.json on rank 0).
 
     Args:
-        cfg: a TrainConfig, or a DictConfig of its schema (converted once with OmegaConf.to_object).
+        cfg: a TrainConfig, or a DictConfig of its schema (checked by :func:`to_train_config`).
 
     Raises:
-        ValueError: parallel.cp does not divide the world size, trainer.resume without
-            trainer.run_dir, a fresh run in a run directory that holds another run, or a bad
-            config value.
+        ConfigError (a ValueError), on every rank: an unknown key or bad value, parallel.cp does
+            not divide the world size, an unreadable data.path, trainer.resume without
+            trainer.run_dir or without a valid checkpoint, a config that drifted from the
+            checkpoint's, a fresh run in a run directory that holds another run.
+        CheckpointWriteError: writing a checkpoint failed (e.g. a full disk), on every rank.
         FloatingPointError: the loss became NaN/Inf (on every rank at the same step).
     """
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_object(cfg)
+    cfg = to_train_config(cfg)
     if cfg.trainer.resume and cfg.trainer.run_dir is None:
-        raise ValueError("trainer.resume=true needs trainer.run_dir (the run to continue)")
+        raise ConfigError("trainer.resume=true needs trainer.run_dir (the run to continue)")
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    layout = init_distributed(cfg.parallel, need_group=cfg.deepspeed.enabled)
+    try:
+        layout = init_distributed(cfg.parallel, need_group=cfg.deepspeed.enabled)
+    except ValueError as exc:  # parallel.cp and the world size, parallel.device=cuda without CUDA
+        raise ConfigError(str(exc)) from exc
     if layout.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    run_dir = _resolve_run_dir(cfg.trainer, layout)
+    if cfg.data.batch_size % layout.dp:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be divisible by the data-parallel degree "
+                          f"dp = world size {layout.world_size} / parallel.cp {layout.cp} = {layout.dp}")
     is_main = layout.rank == 0
-    if is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        logger.info(
-            "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
-            run_dir, layout.world_size, layout.dp, layout.cp, layout.device, cfg.parallel.strategy,
-            f"DeepSpeed ZeRO-{cfg.deepspeed.stage}" if cfg.deepspeed.enabled else "torch data parallel",
-        )
-
-    corpus = ByteCorpus(cfg.data)
+    try:
+        corpus = ByteCorpus(cfg.data)
+    except (OSError, ValueError) as exc:  # the same files on every rank: the same error everywhere
+        raise ConfigError(_one_line(exc) if "data." in str(exc) else f"data.path={cfg.data.path!r}: {_one_line(exc)}") from exc
+    run_dir = _resolve_run_dir(cfg.trainer, layout)
     entropy = unigram_entropy(corpus.data)
     torch.manual_seed(cfg.trainer.seed)
     model = KDALanguageModel(cfg.model).to(layout.device)
@@ -552,54 +764,39 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         )
     else:
         engine = TorchEngine(model, optimizer, scheduler, layout, cfg.optim.grad_clip)
-    if is_main:
-        logger.info(
-            "model: %d parameters, %.3g training FLOPs/token; corpus unigram entropy %.4f nats/byte",
-            n_params, flops_per_token, entropy,
-        )
 
     barrier = dist.barrier if layout.distributed else (lambda: None)
-    ckpts = CheckpointManager(run_dir, layout.rank, barrier, keep=cfg.trainer.keep_checkpoints)
-    start_step = 0
-    if cfg.trainer.resume:
-        found, why = (ckpts.latest(), "") if is_main else (None, "")
-        if found is not None:  # checked on rank 0, raised on every rank
-            saved_ranks = len(list(found.path.glob("rng_rank*.pt")))
-            if found.step > cfg.trainer.max_steps:
-                why = (f"trainer.resume: the newest checkpoint {found.path} is at step {found.step}, past "
-                       f"trainer.max_steps={cfg.trainer.max_steps}: raise max_steps to continue it")
-            elif saved_ranks != layout.world_size:
-                why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
-                       f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
-        found, why = _broadcast_object((found, why), layout)
-        if why:
-            raise ValueError(why)
-        if found is not None:
-            client = engine.load(found.path)
-            start_step = int(client["step"])
-            _set_rng_state(torch.load(found.path / f"rng_rank{layout.rank}.pt", weights_only=False), layout.device)
-            if is_main:
-                logger.info("resumed from %s at step %d", found.path, start_step)
-        elif is_main:
-            logger.info("trainer.resume: no complete checkpoint in %s, starting at step 0", ckpts.root)
+    ckpts = CheckpointManager(run_dir, layout.rank, barrier, keep=cfg.trainer.keep_checkpoints,
+                              agree=lambda error: _agree(error, layout))
+    start_step = _resume(engine, ckpts, layout, cfg) if cfg.trainer.resume else 0
 
     def save(step: int) -> None:
         def write(tmp: Path) -> None:
             engine.save(tmp, {"step": step, "config": asdict(cfg)})
+            if is_main:  # read on resume before the weights, to refuse a changed config
+                (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
             torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
 
         ckpts.save(step, write)
 
+    # Everything is in place: the run directory is made (or continued) only now.
+    created = is_main and not run_dir.exists()
     history: list[dict] = []
     metrics_path = run_dir / "metrics.jsonl"
-    if is_main and metrics_path.exists():
-        # Keep the history of the run being continued (up to its checkpoint); a fresh run or
-        # steps after the checkpoint (lost with a killed process) are dropped.
-        kept = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-        history = [m for m in kept if m["step"] <= start_step] if start_step else []
-        tmp = metrics_path.with_name(metrics_path.name + ".tmp")  # replaced whole: never half-written
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
-        os.replace(tmp, metrics_path)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        logger.info(
+            "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
+            run_dir, layout.world_size, layout.dp, layout.cp, layout.device, cfg.parallel.strategy,
+            f"DeepSpeed ZeRO-{cfg.deepspeed.stage}" if cfg.deepspeed.enabled else "torch data parallel",
+        )
+        logger.info(
+            "model: %d parameters, %.3g training FLOPs/token; corpus unigram entropy %.4f nats/byte",
+            n_params, flops_per_token, entropy,
+        )
+        if start_step:  # the history of the run being continued, up to its checkpoint
+            history = _continue_metrics(metrics_path, start_step)
     metrics_file = open(metrics_path, "a") if is_main else None
 
     def record(entry: dict) -> None:
@@ -642,6 +839,7 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
                 mfus.append(entry["mfu"])
             tok_rates.append(tok_s)
             record(entry)
+            created = False  # a step is recorded: the run directory stays whatever happens next
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", **({"mfu": f"{entry['mfu']:.1%}"} if n_gpus else {}))
             bar.update(1)
             done = step + 1
@@ -658,6 +856,13 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
         val_loss = evaluate(engine, corpus, layout, cfg)
         record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
         save(cfg.trainer.max_steps)
+    except BaseException:
+        if metrics_file is not None:
+            metrics_file.close()
+            metrics_file = None
+        if created:  # failed before its first step: leave no empty run directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         bar.close()
         if metrics_file is not None:
@@ -701,26 +906,120 @@ def train(cfg: TrainConfig | DictConfig) -> dict:
     return summary
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+USAGE = """\
+usage: [torchrun --nproc_per_node=N] python scripts/train.py [--help] [--cfg] [KEY=VALUE | GROUP=OPTION ...]
+
+Train a KDA (Kimi Delta Attention) byte-level language model with the sequence sharded over the
+ranks of torchrun (context parallelism), the rest of the world data-parallel. Without torchrun it
+runs as one process. Arguments are Hydra overrides of the config in conf/; a key that the config
+does not declare is an error, also with a leading '+'.
+
+Config groups (GROUP=OPTION picks a file of conf/GROUP/):
+{groups}
+
+Keys and their defaults:
+{keys}
+
+Common overrides:
+  parallel.cp=N                  ranks per sequence (divides the world size; the rest is data-parallel)
+  trainer.max_steps=N            optimizer steps; data.seq_len=N, data.batch_size=N (global, in sequences)
+  data.path=FILE_OR_DIR          train on other text (default: the Python standard library's sources)
+  model.layer_pattern=KKKA model.n_layers=4    the 3:1 KDA / attention hybrid (n_layers a multiple)
+  deepspeed=zero1|zero2|zero3    DeepSpeed ZeRO; parallel.strategy=ulysses: head-parallel all-to-all
+  trainer.run_dir=DIR trainer.checkpoint_every=N   where outputs go, checkpoint cadence
+  trainer.run_dir=DIR trainer.resume=true         continue a run from its newest valid checkpoint
+  +experiment=h200_hybrid_64k    the one-H200 hybrid at 64k context
+
+Options:
+  --help, -h    this text
+  --cfg         print the composed config and exit
+
+Outputs: <run_dir>/config.yaml, metrics.jsonl, checkpoints/step_N/, summary.json, loss.png.
+Errors print one line on stderr (from rank 0 when every rank has the same error) and exit with
+status 1; set KDA_CP_DEBUG=1 for the Python traceback.
+"""
+
+
+def _help_text() -> str:
+    import dataclasses
+
+    groups = []
+    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in d.glob("*.yaml"))
+        prefix = "+" if d.name == "experiment" else ""
+        groups.append(f"  {prefix}{d.name}: {' | '.join(options)}")
+    keys = []
+    for f in dataclasses.fields(TrainConfig):
+        schema = f.default_factory()
+        items = " ".join(f"{x.name}={getattr(schema, x.name)!r}".replace("'", "") for x in dataclasses.fields(schema))
+        keys.append(f"  {f.name}: {items}")
+    import textwrap
+
+    keys = ["\n".join(textwrap.wrap(k, 100, subsequent_indent="      ")) for k in keys]
+    return USAGE.format(groups="\n".join(groups), keys="\n".join(keys))
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides (the command line's KEY=VALUE arguments).
+
+    Raises:
+        ConfigError: an override Hydra cannot parse or apply (the message is Hydra's, on one line).
+    """
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
+            return compose(config_name="config", overrides=list(overrides))
+    except Exception as exc:
+        raise ConfigError(_one_line(exc)) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see USAGE); returns the exit status: 0, or 1 after printing one error line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(_help_text())
+        return 0
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    debug = os.environ.get("KDA_CP_DEBUG", "") not in ("", "0")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    status = 0
     try:
+        show = "--cfg" in argv
+        cfg = compose_config([a for a in argv if a != "--cfg"])
+        if show:
+            to_train_config(cfg)
+            print(OmegaConf.to_yaml(cfg))
+            return 0
         summary = train(cfg)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(
                 f"validation loss {summary['val_loss']:.4f} nats/byte | "
                 f"corpus unigram entropy {summary['unigram_entropy']:.4f} nats/byte"
             )
         if dist.is_initialized():
             dist.barrier()  # no rank tears down while another's collectives are still in flight
+    except Exception as exc:
+        if debug:
+            raise
+        # Raised alike on every rank: rank 0 reports it. Anything else may be one rank's own.
+        shared = isinstance(exc, (ConfigError, CheckpointWriteError, FloatingPointError))
+        if rank == 0 or not shared:
+            who = "" if shared or world == 1 else f"rank {rank}: "
+            name = "" if isinstance(exc, (ConfigError, CheckpointWriteError)) else f"{type(exc).__name__}: "
+            print(f"error: {who}{name}{_one_line(exc)}", file=sys.stderr, flush=True)
+        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -26,7 +27,9 @@ def test_save_seals_and_latest_skips_torn(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000006", "step_00000009"]  # keep=2 pruned step 3
     meta = json.loads((tmp_path / "checkpoints" / "step_00000009" / MANIFEST).read_text())
-    assert meta == {"step": 9, "files": {"a.bin": 100, "sub/b.bin": 200}}
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    assert meta == {"step": 9, "files": {"a.bin": {"size": 100, "sha256": sha(bytes([9]) * 100)},
+                                         "sub/b.bin": {"size": 200, "sha256": sha(bytes([9]) * 200)}}}
     assert m.latest().step == 9
 
     (tmp_path / "checkpoints" / "step_00000009" / "sub" / "b.bin").write_bytes(b"x")  # torn
@@ -99,3 +102,66 @@ def test_prune_never_drops_the_checkpoint_just_written(tmp_path):
     m.save(20, _write(b"newer"))
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000010", "step_00000020", "step_00000100", "step_00000200"]
+
+
+def test_sha256_catches_same_size_corruption(tmp_path, caplog):
+    """A flipped bit or same-size garbage keeps every size: only the digest tells, and latest()
+    falls back to the previous checkpoint with a warning naming the file."""
+    import random
+
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None, keep=3)
+    rng = random.Random(0)
+    for step in (1, 2, 3):
+        m.save(step, _write(rng.randbytes(1000)))
+    assert m.latest().step == 3
+    f = m.path(3) / "a.bin"
+    data = bytearray(f.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    f.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        assert m.latest().step == 2
+    assert "a.bin does not match its sha256" in caplog.text and "step_00000003" in caplog.text
+    assert verify(m.path(3), hashes=False)[0] == 3  # the sizes alone would pass it
+    g = m.path(2) / "sub" / "b.bin"
+    g.write_bytes(rng.randbytes(g.stat().st_size))
+    assert m.latest().step == 1 and len(m.skipped) == 2
+    assert m.latest(before=1) is None
+
+
+def test_manifest_without_digests_is_checked_by_size(tmp_path):
+    """Manifests written before digests were recorded ({file: size}) still load."""
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None)
+    m.save(5, _write(b"old"))
+    (m.path(5) / MANIFEST).write_text(json.dumps({"step": 5, "files": {"a.bin": 3, "sub/b.bin": 6}}))
+    assert m.latest().step == 5
+    (m.path(5) / "a.bin").write_bytes(b"ol")
+    assert m.latest() is None
+
+
+def test_failed_write_is_reported_cleaned_and_keeps_earlier(tmp_path):
+    """An OSError (a full disk) in any rank's write: "checkpoint step N: <reason> (<path>)", no
+    temporary directory left, the earlier checkpoint intact; the other ranks raise the same."""
+    import errno
+
+    from kda_cp.checkpoint import CheckpointWriteError
+
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None)
+    m.save(1, _write(b"good"))
+    before = {p: p.read_bytes() for p in m.path(1).rglob("*") if p.is_file()}
+
+    def full(tmp):
+        (tmp / "a.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "a.bin"))
+
+    with pytest.raises(CheckpointWriteError, match=r"^checkpoint step 2: no space left on device \(.*a\.bin\)$"):
+        m.save(2, full)
+    assert sorted(p.name for p in m.root.iterdir()) == ["step_00000001"]
+    assert {p: p.read_bytes() for p in m.path(1).rglob("*") if p.is_file()} == before
+    # rank 1's view: its own write succeeded, another rank's failed; the agreement names that one
+    other = "checkpoint step 3: no space left on device (/elsewhere)"
+    m1 = CheckpointManager(tmp_path, rank=1, barrier=lambda: None, agree=lambda err: err or other)
+    with pytest.raises(CheckpointWriteError, match=r"step 3: no space left on device \(/elsewhere\)"):
+        m1.save(3, _write(b"fine"))
+    with pytest.raises(CheckpointWriteError, match=r"step 4: RuntimeError: boom"):
+        m.save(4, lambda tmp: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert m.latest().step == 1 and not list(m.root.glob(".tmp-*"))

@@ -93,6 +93,8 @@ def _error_rank(rank, world, case):
         group = dist.new_group(ranks=[0])
         if rank == 0:
             return "skipped"
+    if case == "cp-group-none":  # would give each rank its shard's single-device answer
+        group = None
     try:
         cp_chunk_kda(q, k, v, g, beta, cp_group=group, initial_state=h0, **kwargs)
     except ValueError as exc:
@@ -106,7 +108,8 @@ def _error_rank(rank, world, case):
     ("bad-g-on-rank-1", [r"rank\(s\) \[1\]", r"rank 1: g must be the per-channel log decay"]),
     ("ranks-disagree-on-H", ["ranks disagree", "ranks disagree"]),
     ("bad-initial-state", [r"initial_state must be \[N, H, K, V\]"] * 2),
-    ("not-in-group", ["skipped", "not a member of the given cp_group"]),
+    ("not-in-group", ["skipped", r"global rank 1 of 2\) is not a member of the given cp_group: call it only"]),
+    ("cp-group-none", [r"cp_group=None in an initialized process group of 2 ranks"] * 2),
 ])
 def test_bad_input_raises_on_every_rank(case, expect):
     import re
@@ -141,6 +144,11 @@ def _option_mismatch_rank(rank, world, case):
         kwargs["cu_seqlens"] = torch.tensor([0, 2, 6, 8, 64] if rank == 0 else [0, 3, 4, 9, 64])
     if case == "scale":
         kwargs["scale"] = 0.5 if rank else 0.25
+    if case == "initial_state":  # one element differs by one ulp on rank 1
+        h0 = torch.randn(1, 2, 8, 4, dtype=q.dtype, generator=torch.Generator().manual_seed(3))
+        if rank == 1:
+            h0[0, 1, 2, 3] = torch.nextafter(h0[0, 1, 2, 3], torch.tensor(1.0, dtype=h0.dtype))
+        kwargs["initial_state"] = h0
     try:
         cp_chunk_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, **kwargs)
     except ValueError as exc:
@@ -148,7 +156,59 @@ def _option_mismatch_rank(rank, world, case):
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["exchange", "cu_seqlens", "cu_seqlens-same-count-and-weighted-sum", "scale"])
+@pytest.mark.parametrize("case", ["exchange", "cu_seqlens", "cu_seqlens-same-count-and-weighted-sum", "scale",
+                                  "initial_state"])
 def test_ranks_that_disagree_on_options_raise_instead_of_hanging(case):
     for rank, msg in enumerate(run_ranks(_option_mismatch_rank, 2, case, timeout=90)):
         assert "ranks disagree on the options" in msg, f"rank {rank}: {msg!r}"
+        assert case.split("-")[0] in msg.split("[")[1], f"rank {rank}: {msg!r} does not name {case}"
+
+
+def _double_backward_rank(rank, world):
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True, requires_grad=True, seed=0)
+    local = [split_sequence(x, world, 1)[rank] for x in (q, k, v, g, beta)]
+    o, final = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h0, output_final_state=True)
+    loss = (o * torch.randn_like(o)).sum() + (final * torch.randn_like(final)).sum()
+    try:
+        torch.autograd.grad(loss, (q, h0), create_graph=True, retain_graph=True)
+    except NotImplementedError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    dq, dh0 = torch.autograd.grad(loss, (q, h0))  # first order through the same graph still runs
+    return message, bool(dh0.abs().sum() > 0)
+
+
+def test_double_backward_raises_on_every_rank():
+    for rank, (msg, first_order) in enumerate(run_ranks(_double_backward_rank, 2)):
+        assert msg.startswith("cp_chunk_kda: double backward (create_graph=True)"), f"rank {rank}: {msg!r}"
+        assert first_order
+
+
+def _non_member_rank(rank, world):
+    from kda_cp.parallel import causal_conv1d, ulysses_kda
+
+    group = dist.new_group(ranks=[0])  # collective: every rank creates it, rank 1 is outside
+    if rank == 0:
+        return []
+    q, k, v, g, beta, _ = make_inputs(1, 16, 2, 8, 4, seed=0)
+    x, w = torch.randn(1, 16, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    calls = [lambda: cp_chunk_kda(q, k, v, g, beta, cp_group=group),
+             lambda: ulysses_kda(q, k, v, g, beta, cp_group=group),
+             lambda: causal_conv1d(x, w, cp_group=group)]
+    out = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("no error")
+    return out
+
+
+def test_a_rank_outside_the_group_is_told_so():
+    """Every distributed op called with a group this rank is not in: the error says so (torch
+    hands non-members a placeholder whose size reads -1)."""
+    for msg in run_ranks(_non_member_rank, 2)[1]:
+        assert "(global rank 1 of 2) is not a member of the given cp_group" in msg and "-1" not in msg, msg

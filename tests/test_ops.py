@@ -197,3 +197,15 @@ def test_dense_inputs_are_made_aligned_for_the_kernels():
     strided = torch.randn(2, 8, 4, 128).bfloat16()[..., :64]
     z = _aligned_dense(strided)
     assert z.is_contiguous() and z.data_ptr() % 16 == 0 and torch.equal(z, strided)
+
+
+def test_double_backward_is_a_clear_error():
+    """create_graph=True would return gradients without a graph (the backward is hand-written):
+    NotImplementedError; first-order gradients through the same graph still work."""
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 8, with_h0=True, requires_grad=True)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    loss = (o * torch.randn_like(o)).sum() + (ht * torch.randn_like(ht)).sum()
+    with pytest.raises(NotImplementedError, match=r"chunk_kda: double backward \(create_graph=True\)"):
+        torch.autograd.grad(loss, (q, k), create_graph=True, retain_graph=True)
+    dq, dk = torch.autograd.grad(loss, (q, k))
+    assert dq.abs().sum() > 0 and dk.abs().sum() > 0 and not dq.requires_grad

@@ -166,3 +166,25 @@ def test_empty_sequences_in_a_packed_batch():
     assert_close("o", o_ref, o, 1e-10)
     assert_close("final_state", s_ref, s, 1e-10)
     assert torch.equal(s[1], h0[1]) and torch.equal(s[3], h0[3])  # an empty sequence keeps its state
+
+
+def test_recurrence_checks_its_inputs_like_chunk_kda():
+    """Inputs the per-token loop would silently mis-read (it indexes k, v by q's batch, walks the
+    given segments) are ValueErrors naming the argument; the same inputs are valid otherwise."""
+    q, k, v, g, beta, _ = make_inputs(2, 40, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"^k must have q's shape"):
+        naive_recurrent_kda(q, k[:1], v, g, beta)
+    one = [x[:1] for x in (q, k, v, g, beta)]
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length T = 40"):
+        naive_recurrent_kda(*one, cu_seqlens=torch.tensor([0, 10, 30]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must not decrease"):
+        naive_recurrent_kda(*one, cu_seqlens=torch.tensor([0, 30, 20, 40]))
+    with pytest.raises(ValueError, match=r"cu_seqlens needs B == 1"):
+        naive_recurrent_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10, 40]))
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\] = \[2, 2, 8, 8\]"):
+        naive_recurrent_kda(*one, cu_seqlens=[0, 10, 40], initial_state=torch.zeros(3, 2, 8, 8, dtype=q.dtype))
+    # a list of offsets is taken as chunk_kda takes it, and gives chunk_kda's answer
+    o_ref, s_ref = naive_recurrent_kda(*one, cu_seqlens=[0, 10, 40], output_final_state=True)
+    o, s = chunk_kda(*one, cu_seqlens=[0, 10, 40], output_final_state=True, chunk_size=16)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)

@@ -204,6 +204,10 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
         ("model.mlp_hidden=0", "ModelConfig.mlp_hidden"),
         ("model.init_std=-1", "ModelConfig.init_std"),
         ("parallel.device=tpu", "parallel.device"),
+        ("parallel.timeout_s=0", "parallel.timeout_s must be > 0"),
+        ("parallel.timeout_s=-30", "parallel.timeout_s must be > 0"),
+        ("model.layer_pattern=KKKA", "does not fit model.n_layers=3"),
+        ("data.seq_len=1", "data.seq_len=1 is too short for parallel.cp=2"),
     ],
 )
 def test_bad_scale_config_names_the_field(override, field):
@@ -212,6 +216,36 @@ def test_bad_scale_config_names_the_field(override, field):
     with pytest.raises(Exception, match=field.replace(".", r"\.")) as info:
         OmegaConf.to_object(_cfg([override]))
     assert isinstance(info.value, ValueError) or isinstance(info.value.__cause__, ValueError)
+
+
+def test_unknown_keys_are_rejected():
+    """Hydra adds +trainer.foo=1 and +foo=1 to the struct config, and OmegaConf.to_object drops
+    them silently: to_train_config names them."""
+    for override, key in (("+trainer.foo=1", "trainer.foo"), ("+foo=1", "foo"), ("+model.heads=2", "model.heads")):
+        with pytest.raises(train_script.ConfigError, match=rf"unknown config key\(s\): {key} "):
+            train_script.to_train_config(_cfg([override]))
+    with pytest.raises(train_script.ConfigError, match="unknown config key"):
+        train_script.train(_cfg(TINY + ["parallel.cp=1", "+trainer.foo=1"]))
+    with pytest.raises(train_script.ConfigError, match="Could not override 'trainer.foo'"):
+        train_script.compose_config(["trainer.foo=1"])
+
+
+def test_layer_patterns_that_fit():
+    """n_layers a whole number of pattern repeats; the README's hybrid example composes and
+    builds one attention layer per four blocks."""
+    from kda_cp.layers import AttentionLayer
+
+    cfg = train_script.to_train_config(_cfg(["model.layer_pattern=KKKA", "model.n_layers=4"]))
+    model = train_script.KDALanguageModel(cfg.model)
+    assert sum(isinstance(m, AttentionLayer) for m in model.modules()) == 1
+    assert train_script.to_train_config(_cfg(["model.layer_pattern=KA", "model.n_layers=6"])).model.n_layers == 6
+    for pattern, n in (("KKKA", 6), ("KA", 3), ("KKA", 2)):
+        with pytest.raises(train_script.ConfigError, match=f"model.layer_pattern='{pattern}'.*model.n_layers={n}"):
+            train_script.to_train_config(_cfg([f"model.layer_pattern={pattern}", f"model.n_layers={n}"]))
+    cfg = train_script.to_train_config(_cfg(["parallel.cp=4", "data.seq_len=4"]))  # one token per rank is enough
+    assert cfg.data.seq_len == 4
+    with pytest.raises(train_script.ConfigError, match="ulysses needs data.seq_len % parallel.cp == 0"):
+        train_script.to_train_config(_cfg(["parallel.strategy=ulysses", "data.seq_len=101"]))
 
 
 def test_deepspeed_and_experiment_configs_compose():

@@ -89,7 +89,8 @@ def halo_exchange(x: torch.Tensor, halo: int, cp_group, lengths: list[int] | Non
         x: [B, T_r, D], this rank's contiguous shard of the sequence (dim 1). T_r may differ per rank
             and may be shorter than ``halo`` (then the halo spans several earlier ranks).
         halo: number of preceding rows to fetch (W - 1 for a width-W convolution), >= 0.
-        cp_group: the context-parallel process group (collective: every rank must call this).
+        cp_group: the context-parallel process group (collective: every rank must call this);
+            None means no sharding (zeros are returned), not the default group.
         lengths: every rank's shard length (from :func:`kda_cp.parallel.sharding.shard_lengths`); gathered when None.
 
     Returns:
@@ -162,7 +163,9 @@ def causal_conv1d(
         x: [B, T_r, D]; this rank's contiguous shard under CP (dim 1), the whole sequence otherwise.
         weight: [D, W], same dtype as x (an ``nn.Conv1d(D, D, W, groups=D)`` weight squeezed at dim 1).
         bias: [D] or None.
-        cp_group: context-parallel process group; None or a group of size 1 means no sharding.
+        cp_group: context-parallel process group; None or a group of size 1 means no sharding:
+            x is the whole sequence, also in a multi-rank world (None is not the default group,
+            unlike torch.distributed's ``group=None``; pass ``dist.group.WORLD`` for that).
             Collective under CP: every rank of the group must call it (and, when training, run
             backward with x requiring grad on every rank); shards may be uneven (even shorter than
             W - 1, or empty).

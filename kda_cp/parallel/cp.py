@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from kda_cp import reference, scan
 from kda_cp.ops import (Backend, BackendName, KDAOptions, apply_input_options, check_inputs, check_scale, chunk_kda,
-                        dense_on_cuda, get_backend)
+                        dense_on_cuda, first_order_only, get_backend)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
-                                     group_rank_and_size, p2p_exclusive_scan)
+                                     group_rank_and_size, p2p_exclusive_scan, tensor_digest)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
 
 __all__ = ["cp_chunk_kda", "cp_chunk_kda_in_one_process", "Exchange", "choose_exchange"]
@@ -303,6 +303,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         return o, _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
 
     @staticmethod
+    @first_order_only("cp_chunk_kda")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0_local, *kept = ctx.saved_tensors
@@ -360,7 +361,11 @@ def cp_chunk_kda(
         q, k: [B, T_r, H, K], this rank's contiguous shard (rank r holds the r-th piece along T).
         v: [B, T_r, H, V]; g: [B, T_r, H, K] (log decay, <= 0); beta: [B, T_r, H].
             T_r >= 1 may differ between ranks and need not be a multiple of ``chunk_size``.
-        cp_group: the process group of the CP ranks (torch.distributed), or None for one device.
+        cp_group: the process group of the CP ranks (torch.distributed). None means no CP (the
+            tensors are whole sequences, as ``cp_context=None`` in flash-linear-attention), which
+            is only accepted where torch.distributed is not initialized or has one rank: in a
+            multi-rank world None is an error (it is not the default group; pass
+            ``dist.group.WORLD`` for that, or call :func:`kda_cp.chunk_kda` for whole sequences).
         scale: output scale; default K ** -0.5.
         initial_state: [N, H, K, V], the state before the first token of each sequence (N = B, or
             the number of packed sequences), the same tensor on every rank (replicated). Its
@@ -384,11 +389,14 @@ def cp_chunk_kda(
     Raises:
         ValueError: on every rank of the group when any rank's inputs are malformed (any exception
             while checking them is turned into this), the ranks disagree on B, H, K, V, dtype,
-            the options (exchange, scan_method, scale, g_min) or cu_seqlens, cu_seqlens is not
-            increasing from 0 to the sum of the local lengths, or a shard is empty; when this
-            process is not in ``cp_group``. Also a bad ``backend`` name or ``scale``.
+            the options (exchange, scan_method, scale, g_min), cu_seqlens or the values of
+            ``initial_state`` (a digest of its bytes), cu_seqlens is not increasing from 0 to the
+            sum of the local lengths, or a shard is empty; when this process is not in
+            ``cp_group``; cp_group=None in an initialized world of more than one rank. Also a
+            bad ``backend`` name or ``scale``.
         NotImplementedError: on the rank whose inputs ``backend="tilelang"`` does not cover (the
-            other ranks get the ValueError naming it).
+            other ranks get the ValueError naming it); in backward, a double backward
+            (``create_graph=True``), on every rank.
 
     Gradients of the replicated ``initial_state`` and final states assume the global loss is the
     sum of the ranks' losses (as data-parallel training does): do not all-reduce
@@ -396,6 +404,12 @@ def cp_chunk_kda(
 
     Collective: every rank of ``cp_group`` must call it (and run backward) in the same order.
     """
+    if cp_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # each rank would compute its shard as a whole sequence: a silently wrong answer
+        raise ValueError(
+            f"cp_chunk_kda: cp_group=None in an initialized process group of {dist.get_world_size()} ranks: pass the "
+            "CP group (e.g. dist.group.WORLD), or call kda_cp.chunk_kda when each rank holds whole sequences"
+        )
     rank, size = group_rank_and_size(cp_group)
     error, cu_code, unsupported = None, [0, 0], None
     try:
@@ -448,7 +462,8 @@ def cp_chunk_kda(
     same = [shape[0], shape[2], shape[3], V, dtype_code(q.dtype) if ok_shapes else 0, int(initial_state is not None),
             int(output_final_state), chunk_size if ok_shapes else 0, int(cu_seqlens is not None)]
     options = [int(exchange_kind == "p2p"), int(scan_method == "sequential"),
-               float_code(scale) if ok_shapes else 0, float_code(g_min) if ok_shapes else 0, *cu_code]
+               float_code(scale) if ok_shapes else 0, float_code(g_min) if ok_shapes else 0, *cu_code,
+               tensor_digest(initial_state) if ok_shapes and size > 1 else 0]
     device = q.device if ok_shapes else None
     try:
         table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
@@ -465,10 +480,13 @@ def cp_chunk_kda(
             "cp_chunk_kda: ranks disagree on [B, H, K, V, dtype, has_initial_state, output_final_state, "
             "chunk_size, packed]: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
         )
-    if not bool((table[:, 1 + n_same:-1] == table[0, 1 + n_same:-1]).all()):
+    differ = (table[:, 1 + n_same:-1] != table[0, 1 + n_same:-1]).any(dim=0).tolist()
+    if any(differ):
+        names = ["exchange", "scan_method", "scale", "g_min", "len(cu_seqlens)", "cu_seqlens", "initial_state"]
         raise ValueError(
-            "cp_chunk_kda: ranks disagree on the options [exchange, scan_method, scale, g_min, cu_seqlens]; "
-            "every rank of the group must pass the same values"
+            f"cp_chunk_kda: ranks disagree on the options [{', '.join(n for n, d in zip(names, differ) if d)}]; every "
+            "rank of the "
+            "group must pass the same values (initial_state and cu_seqlens are replicated: the same tensor everywhere)"
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["group_rank_and_size", "all_gather_stack", "agree_or_raise", "check_and_agree", "digest", "dtype_code",
-           "float_code", "p2p_exclusive_scan"]
+           "float_code", "tensor_digest", "p2p_exclusive_scan"]
 
 
 def digest(values) -> int:
@@ -22,6 +22,18 @@ def digest(values) -> int:
     :func:`agree_or_raise`) to agree on a variable-length list, e.g. cu_seqlens, without sending it."""
     data = b"".join(int(v).to_bytes(16, "little", signed=True) for v in values)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def tensor_digest(x: torch.Tensor | None) -> int:
+    """A 62-bit BLAKE2b digest of a tensor's shape, dtype and bytes (0 for None), for ranks to check
+    that a replicated tensor (e.g. initial_state) is the same everywhere. Copies it to the CPU."""
+    if x is None:
+        return 0
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((tuple(x.shape), str(x.dtype))).encode())
+    if x.numel():
+        h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def float_code(x: float | None) -> int:
@@ -42,16 +54,21 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 def group_rank_and_size(group) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) when group is None or distributed is not initialized.
 
+    ``None`` means "no context parallelism: this rank holds whole sequences", as in
+    flash-linear-attention (``cp_context=None``), also in a multi-rank world; unlike the
+    ``group=None`` of torch.distributed's collectives it never means the default group.
+
     Raises:
-        ValueError: this process is not a member of ``group``.
+        ValueError: this process is not a member of ``group`` (``dist.new_group`` hands ranks
+            outside the group a placeholder of no size).
     """
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of the given cp_group "
-            f"of size {dist.get_world_size(group)}; pass the group that this rank belongs to"
+            f"this process (global rank {dist.get_rank()} of {dist.get_world_size()}) is not a member of the given "
+            "cp_group: call it only on the ranks of that group, with the group this rank belongs to"
         )
     return rank, dist.get_world_size(group)
 

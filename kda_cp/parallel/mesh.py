@@ -15,10 +15,18 @@ Rank r sits at mesh coordinates ``(r // cp, r % cp)`` (:meth:`ParallelDims.coord
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
 __all__ = ["ParallelDims"]
+
+
+def _set_timeout(group, timeout: timedelta) -> None:
+    """Set the collective deadline of an existing group (torch keeps this setter private)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
 
 
 @dataclass
@@ -73,8 +81,11 @@ class ParallelDims:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return rank // self.cp, rank % self.cp
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str, timeout: timedelta | None = None):
         """The ("dp", "cp") DeviceMesh over all ranks (collective; built once, then cached).
+
+        ``timeout``: the deadline of every collective on the mesh's groups and on
+        :attr:`dp_cp_group` (torch gives new groups its 10 / 30 min default, not the world's).
 
         Raises:
             RuntimeError: torch.distributed is not initialized.
@@ -92,7 +103,10 @@ class ParallelDims:
             self._mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
             # Made here, not lazily: new_group is collective and every rank must call it in order.
             ranks = sorted(int(r) for r in self._mesh.mesh.flatten().tolist())
-            self._dp_cp_group = dist.new_group(ranks=ranks)
+            self._dp_cp_group = dist.new_group(ranks=ranks, timeout=timeout)
+            if timeout is not None:
+                for name in ("dp", "cp"):
+                    _set_timeout(self._mesh.get_group(name), timeout)
         return self._mesh
 
     @property

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kda_cp.ops import BACKENDS, check_inputs, chunk_kda
-from kda_cp.parallel.exchange import check_and_agree, dtype_code, float_code
+from kda_cp.parallel.exchange import check_and_agree, dtype_code, float_code, group_rank_and_size
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
 
@@ -169,10 +169,11 @@ def ulysses_kda(
     Raises:
         ValueError: on every rank of the group when any rank's shard fails :func:`kda_cp.ops.check_inputs`
             (shapes, g outside [g_min, 0], NaN/Inf, beta outside [0, 1]), H not divisible by P,
-            unequal shard lengths, or a bad ``impl``. Checked before any exchange: nothing hangs.
+            unequal shard lengths, or a bad ``impl``. Checked before any exchange: nothing hangs. Also
+            on a rank that is not a member of ``cp_group``.
     """
     kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min)
-    P = 1 if cp_group is None else dist.get_world_size(cp_group)
+    P = group_rank_and_size(cp_group)[1]  # ValueError on a rank outside cp_group
     if P == 1:
         return chunk_kda(q, k, v, g, beta, check_gate=check_gate, **kw)[0]
     # Every rank checks its own shard before any exchange, and all ranks raise together: a bad

@@ -1,0 +1,424 @@
+"""Fault injection on CPU: a killed rank, corrupted checkpoints, a torn metrics.jsonl, a full disk,
+a drifted config, collectives that never complete, bad command lines. Each case checks that nothing
+is lost, nothing is silent and nothing hangs.
+
+The multi-rank cases run scripts/train.py under torchrun (2 ranks over gloo) on a tiny model; every
+launch has a deadline (tests._dist.run_command kills the whole process tree past it).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import descendants, finish, kill_tree, run_command, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.num_heads=2",
+    "model.head_dim=16",
+    "model.chunk_size=16",
+    "data.seq_len=64",
+    "data.batch_size=4",
+    "data.val_batches=1",
+    "data.max_bytes=300000",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+    "trainer.plot=false",
+    "parallel.threads_per_rank=1",
+    "optim.warmup_steps=1",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+OUR_FRAMES = 'scripts/train.py", line'  # a traceback frame of the training script (torchrun prints its own)
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("kda_cp_train_script_faults", ROOT / "scripts" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train_script = _train_module()
+
+
+def _cfg(overrides):
+    return train_script.compose_config(overrides)
+
+
+def _torchrun(args, nproc=2, timeout=240, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "scripts/train.py", *args]
+    return run_command(cmd, cwd=ROOT, env=env or ENV, timeout=timeout)
+
+
+def _python(args, timeout=120, env=None):
+    clean = {k: v for k, v in (env or ENV).items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return run_command([sys.executable, "scripts/train.py", *args], cwd=ROOT, env=clean, timeout=timeout)
+
+
+def _records(run: Path) -> list[dict]:
+    """Every line of metrics.jsonl, parsed (fails on a line that is not JSON)."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def _flip_bit(path: Path, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------------------------------------
+# A rank dies mid-run
+# ------------------------------------------------------------------------------------------------
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    if b"scripts/train.py" not in cmdline:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
+    """SIGKILL rank 1 while both ranks train: the job (torchrun and rank 0) ends, non-zero, within
+    a deadline far below the collective timeout, and the steps written so far stay readable."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train.py",
+           *TINY, "parallel.cp=2", "trainer.max_steps=100000", f"trainer.run_dir={run}", "parallel.timeout_s=120"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()[-3000:]
+        workers = {_rank_of(p): p for p in descendants(proc.pid)}
+        assert {0, 1} <= set(workers), workers
+        os.kill(workers[1], signal.SIGKILL)
+        t0 = time.time()
+        _, err = finish(proc, 60)  # far below parallel.timeout_s=120: torchrun stops the survivors
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode != 0, err[-3000:]
+    assert elapsed < 60
+    assert not [p for p in workers.values() if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a rank survived"
+    steps = [m["step"] for m in _records(run) if "loss" in m]
+    assert steps[:2] == [1, 2]
+
+
+def _group_timeout_rank(rank, world, timeout_s):
+    from kda_cp.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_cp(world, world)
+    dims.build_mesh("cpu", timeout=timedelta(seconds=timeout_s))
+    if rank == 1:  # never joins: rank 0's collectives must give up after timeout_s
+        time.sleep(2 * timeout_s + 5)  # then exits: without the deadline rank 0 would wait for that
+        return None
+    out = {}
+    for name, group in (("cp", dims.cp_group), ("dp_cp", dims.dp_cp_group)):
+        t0 = time.time()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            out[name] = ("completed", time.time() - t0)
+        except RuntimeError as exc:
+            out[name] = (str(exc).splitlines()[0][:200], time.time() - t0)
+    return out
+
+
+@pytest.mark.slow
+def test_training_groups_have_a_finite_deadline():
+    """The mesh's groups get parallel.timeout_s (torch would give new groups 30 min): a collective
+    that a rank never joins fails on the waiting rank after about that long."""
+    out = run_ranks(_group_timeout_rank, 2, 1, timeout=90)[0]
+    for name, (what, elapsed) in out.items():
+        assert what != "completed" and elapsed < 4, (name, what, elapsed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Corrupted checkpoints and a torn metrics.jsonl, under torchrun
+# ------------------------------------------------------------------------------------------------
+
+CKPT = [*TINY, "parallel.cp=2", "trainer.max_steps=8", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=4"]
+
+
+@pytest.mark.slow
+def test_corrupted_checkpoints_fall_back_then_refuse(tmp_path):
+    """Steps 8, 6, 4 corrupted by a bit flip, same-size garbage and truncation, and metrics.jsonl
+    torn mid-line: the resume warns about each, continues from step 2, and its losses and metrics
+    equal the uninterrupted run's bit for bit. With every checkpoint corrupted, the resume refuses
+    with one error line and leaves metrics.jsonl and the checkpoints as they were."""
+    rng = random.Random(0)
+    run = tmp_path / "run"
+    proc = _torchrun([*CKPT, f"trainer.run_dir={run}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = _records(run)
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == [f"step_0000000{s}" for s in (2, 4, 6, 8)]
+    _flip_bit(ck / "step_00000008" / "state.pt", rng)
+    garbage = ck / "step_00000006" / "state.pt"
+    garbage.write_bytes(rng.randbytes(garbage.stat().st_size))
+    cut = ck / "step_00000004" / "rng_rank1.pt"
+    cut.write_bytes(cut.read_bytes()[:100])
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-20])  # the last record cut mid-line
+
+    proc = _torchrun([*CKPT, f"trainer.run_dir={run}", "trainer.resume=true"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    err = proc.stderr
+    assert "step_00000008 is incomplete or corrupted (file state.pt does not match its sha256" in err, err[-3000:]
+    assert "step_00000006 is incomplete or corrupted (file state.pt does not match its sha256" in err
+    assert "step_00000004 is incomplete or corrupted (file rng_rank1.pt has 100 bytes" in err
+    assert "step_00000002 at step 2" in err
+    got = _records(run)  # every line parses: the torn one is gone
+    keys = ("step", "loss", "grad_norm", "lr", "val_loss")
+    assert [{k: m.get(k) for k in keys} for m in got] == [{k: m.get(k) for k in keys} for m in ref]
+
+    for d in ck.iterdir():
+        _flip_bit(d / "state.pt", rng)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    proc = _torchrun([*CKPT, f"trainer.run_dir={run}", "trainer.resume=true"])
+    assert proc.returncode != 0
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: trainer.resume=true: no valid checkpoint in "), proc.stderr
+    assert "does not match its sha256" in lines[0] and OUR_FRAMES not in proc.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_unloadable_checkpoint_falls_back(tmp_path, caplog):
+    """A checkpoint whose files pass the manifest (here one without digests) but do not unpickle:
+    the resume warns with the loader's error and continues, exactly, from the one before."""
+    base = [*TINY, "parallel.cp=1", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    train_script.train(_cfg([*base, f"trainer.run_dir={tmp_path / 'full'}"]))
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "full", run)
+    step4 = run / "checkpoints" / "step_00000004"
+    state = step4 / "state.pt"
+    state.write_bytes(random.Random(1).randbytes(state.stat().st_size))
+    manifest = json.loads((step4 / "MANIFEST.json").read_text())
+    manifest["files"] = {rel: e["size"] for rel, e in manifest["files"].items()}  # sizes only
+    (step4 / "MANIFEST.json").write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING"):
+        summary = train_script.train(_cfg([*base, f"trainer.run_dir={run}", "trainer.resume=true"]))
+    assert "step_00000004 could not be loaded (step_00000004: rank 0: UnpicklingError" in caplog.text, caplog.text
+    assert summary["start_step"] == 2
+    assert [m.get("loss") for m in _records(run)] == [m.get("loss") for m in _records(tmp_path / "full")]
+
+
+def test_metrics_torn_or_past_the_checkpoint_are_cut_and_appended(tmp_path):
+    """metrics.jsonl on resume: the bytes up to the resumed step are kept as they were, the rest
+    (records of later steps, a torn line) dropped; a last record without its newline gets one."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    lines.insert(2, json.dumps({"step": 2, "val_loss": 0.7}) + "\n")
+    head = "".join(lines)
+    path.write_text(head + json.dumps({"step": 4, "loss": 0.2}) + "\n" + '{"step": 5, "lo')
+    kept = train_script._continue_metrics(path, 3)
+    assert path.read_text() == head and [m["step"] for m in kept] == [1, 2, 2, 3]
+    path.write_text(head + '{"step": 4, "lo')  # torn right after the resumed step
+    assert len(train_script._continue_metrics(path, 4)) == 4 and path.read_text() == head
+    path.write_text(head.rstrip("\n"))
+    assert len(train_script._continue_metrics(path, 3)) == 4 and path.read_text() == head
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk while writing a checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_full_disk_while_checkpointing(tmp_path):
+    """A tmpfs with room for one checkpoint and a half: step 2's checkpoint is written, step 4's
+    fails. Both ranks stop with one line "checkpoint step 4: no space left on device (<path>)",
+    no .tmp-step_* directory is left, and step 2's checkpoint still verifies."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs (a full disk); not root here")
+    # the size of a 2-rank checkpoint: rank 0's state.pt + one rng file per rank (+ manifest, config)
+    probe = tmp_path / "probe"
+    train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=1", f"trainer.run_dir={probe}"]))
+    files = list((probe / "checkpoints" / "step_00000001").iterdir())
+    page = 4096
+    pages = sum(-(-f.stat().st_size // page) for f in files) + 1  # + the second rank's rng file
+    state_pages = -(-(probe / "checkpoints" / "step_00000001" / "state.pt").stat().st_size // page)
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    size_kb = (pages + 4 + state_pages // 2) * page // 1024  # + config.yaml, metrics.jsonl, dirs
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run = mnt / "run"
+        proc = _torchrun([*TINY, "parallel.cp=2", "trainer.max_steps=6", "trainer.checkpoint_every=2",
+                          f"trainer.run_dir={run}"])
+        assert proc.returncode != 0
+        lines = _error_lines(proc.stderr)
+        assert len(lines) == 1, proc.stderr[-4000:]
+        assert lines[0].startswith("error: checkpoint step 4: no space left on device ("), lines
+        assert str(run / "checkpoints") in lines[0] and OUR_FRAMES not in proc.stderr
+        from kda_cp.checkpoint import verify
+
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+        assert verify(run / "checkpoints" / "step_00000002") == (2, "")
+        assert [m["step"] for m in _records(run) if "loss" in m] == [1, 2, 3, 4]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_checkpoint_write_error_message_names_step_reason_and_path(tmp_path):
+    """What a full disk reports without a tmpfs: the OSError of a write (ENOSPC), in train's words."""
+    from kda_cp.checkpoint import CheckpointManager, CheckpointWriteError
+
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None)
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state.pt"))
+
+    with pytest.raises(CheckpointWriteError, match=r"^checkpoint step 7: no space left on device \(.*state\.pt\)$"):
+        m.save(7, full)
+    assert not list(m.root.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------
+# A resume with a drifted config
+# ------------------------------------------------------------------------------------------------
+
+
+def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
+    base = [*TINY, "parallel.cp=1", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    run = tmp_path / "run"
+    train_script.train(_cfg([*base, f"trainer.run_dir={run}"]))
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(256)) * 200)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    resume = [*base, f"trainer.run_dir={run}", "trainer.resume=true"]
+    for override, named in (("data.seq_len=32", "data.seq_len (64 -> 32)"), ("data.batch_size=2", "data.batch_size"),
+                            ("model.d_model=48", "model.d_model (32 -> 48)"), (f"data.path={text}", "data.path"),
+                            ("optim.lr=0.01", "optim.lr"), ("trainer.seed=3", "trainer.seed")):
+        with pytest.raises(train_script.ConfigError, match="differs from that of .*step_00000004") as info:
+            train_script.train(_cfg([*resume, override]))
+        assert named in str(info.value), (override, str(info.value))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # one line from the command line, and nothing written
+    proc = _python([*resume, "data.seq_len=32", "model.n_layers=4"])
+    assert proc.returncode == 1
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "data.seq_len (64 -> 32), model.n_layers (2 -> 4)" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # the loop's and the output's keys may change
+    summary = train_script.train(_cfg([*resume, "trainer.max_steps=6", "trainer.log_every=1", "trainer.val_every=3",
+                                       "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3"]))
+    assert summary["start_step"] == 4 and [m["step"] for m in _records(run) if "loss" in m] == list(range(1, 7))
+
+
+# ------------------------------------------------------------------------------------------------
+# Command-line errors: one line, once, no run directory
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_errors_under_torchrun_print_one_line_and_leave_no_run_dir(tmp_path):
+    run = tmp_path / "run"
+    proc = _torchrun([*TINY, "parallel.cp=2", "data.path=/no/such/corpus", f"trainer.run_dir={run}"], timeout=120)
+    assert proc.returncode != 0
+    assert _error_lines(proc.stderr) == ["error: data.path='/no/such/corpus' is neither a file nor a folder"], \
+        proc.stderr[-3000:]
+    assert OUR_FRAMES not in proc.stderr and not run.exists()
+    proc = _torchrun([*TINY, "+trainer.foo=1", f"trainer.run_dir={run}"], timeout=120)
+    assert _error_lines(proc.stderr) == [
+        "error: unknown config key(s): trainer.foo (python scripts/train.py --help lists the groups; each group's "
+        "keys are the fields of its dataclass)"], proc.stderr[-3000:]
+    assert proc.returncode != 0 and not run.exists()
+
+
+def test_resume_without_a_checkpoint_refuses(tmp_path):
+    """trainer.resume=true on a run directory with metrics but no valid checkpoint: exit 1, one
+    line, metrics.jsonl untouched (today's behaviour of starting again at step 0 would replace it)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    proc = _python([*TINY, "parallel.cp=1", "trainer.max_steps=2", f"trainer.run_dir={run}", "trainer.resume=true"])
+    assert proc.returncode == 1
+    assert _error_lines(proc.stderr) == [f"error: trainer.resume=true: no valid checkpoint in {run / 'checkpoints'} "
+                                         "(no checkpoint was written); nothing was changed. Restore a checkpoint, or "
+                                         "start a fresh run with a new trainer.run_dir"], proc.stderr[-3000:]
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_help_and_debug_traceback():
+    proc = _python(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    for text in ("Train a KDA", "Config groups", "deepspeed: none | zero1 | zero2 | zero3", "+experiment:",
+                 "parallel.cp=N", "trainer.resume=true", "KDA_CP_DEBUG=1", "timeout_s=300"):
+        assert text in proc.stdout, text
+    assert "Powered by Hydra" not in proc.stdout
+    proc = _python(["+foo=1"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert _error_lines(proc.stderr) == [
+        "error: unknown config key(s): foo (python scripts/train.py --help lists the groups; each group's keys are "
+        "the fields of its dataclass)"]
+    proc = _python(["+foo=1"], env={**ENV, "KDA_CP_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError: unknown config key" in proc.stderr
+
+
+def test_failure_in_the_first_step_leaves_no_run_dir(tmp_path, monkeypatch):
+    """The run directory is made just before the first step and removed if that step fails; once a
+    step is recorded it stays."""
+    run = tmp_path / "run"
+    real = train_script._loss_sum
+    calls = []
+
+    def fails_at(n):
+        def loss_sum(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise RuntimeError("injected failure")
+            return real(*args, **kwargs)
+
+        return loss_sum
+
+    monkeypatch.setattr(train_script, "_loss_sum", fails_at(1))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+    assert not run.exists()
+    calls.clear()
+    monkeypatch.setattr(train_script, "_loss_sum", fails_at(2))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+    assert [m["step"] for m in _records(run)] == [1]
