@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 TOL = 1e-2  # relative RMS, bf16 activations
+# Parameters whose gradient comes through dg: the kernels' dg carries ~1.2e-2 of bf16 error at these
+# sizes (their own test allows 2e-2, tests/test_kernels_bwd_gpu.py), so these reach 1.1-1.5e-2.
+GATE_PATH = ("grad A_log", "grad g_down.weight", "grad g_up.weight")
+GATE_TOL = 2e-2
 
 
 def _layer_pair(seed, **cfg):
@@ -35,11 +39,14 @@ def _run(layer, x, dy, cu, autocast):
     return y, grads
 
 
-@pytest.mark.parametrize("B,T,cu,og_rank", [
+CASES = pytest.mark.parametrize("B,T,cu,og_rank", [
     (2, 333, None, None),
     (1, 1000, [0, 300, 301, 777, 1000], 128),
 ], ids=["dense-T333", "packed-T1000"])
-def test_layer_matches_fp64(B, T, cu, og_rank):
+
+
+def _layer_errors(B, T, cu, og_rank):
+    """{name: relative RMS error} of the CUDA layer's output and every gradient vs fp64."""
     ref, gpu = _layer_pair(1, d_model=256, num_heads=2, head_dim=128, output_gate_rank=og_rank)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B, T, 256, generator=gen, dtype=torch.float64)
@@ -53,8 +60,22 @@ def test_layer_matches_fp64(B, T, cu, og_rank):
         assert torch.isfinite(b).all() and a.abs().max() > 0, name
         errs[name] = rel_rms(a, b.cpu())
     print(" ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-    bad = {n: e for n, e in errs.items() if not e <= TOL}
-    assert not bad, f"relative RMS error above {TOL}: {bad}"
+    return errs
+
+
+@CASES
+def test_layer_matches_fp64(B, T, cu, og_rank):
+    errs = _layer_errors(B, T, cu, og_rank)
+    bad = {n: e for n, e in errs.items() if not e <= (GATE_TOL if n in GATE_PATH else TOL)}
+    assert not bad, f"relative RMS error above {TOL} ({GATE_TOL} on the gate path): {bad}"
+
+
+@CASES
+@pytest.mark.xfail(strict=True, reason="gate-path gradients reach 1.1-1.5e-2 through the kernels' bf16 dg")
+def test_gate_path_gradients_within_1e2(B, T, cu, og_rank):
+    errs = _layer_errors(B, T, cu, og_rank)
+    bad = {n: errs[n] for n in GATE_PATH if not errs[n] <= TOL}
+    assert not bad, f"gate-path gradients above {TOL}: {bad}"
 
 
 def test_padding_after_last_packed_token_gets_zero_gradient():
