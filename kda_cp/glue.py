@@ -67,14 +67,14 @@ def _conv(x, w, halo, lags):
 def _heads(y, splits, head_dim):
     B, T, _ = y.shape
     q, k, v = y.split(splits, dim=-1)
-    n_heads = splits[0] // head_dim
-    return q.reshape(B, T, n_heads, head_dim), k.reshape(B, T, n_heads, head_dim), v.reshape(B, T, n_heads, -1)
+    H = splits[0] // head_dim
+    return q.reshape(B, T, H, head_dim), k.reshape(B, T, H, head_dim), v.reshape(B, T, H, splits[2] // H)
 
 
 def _csn_fwd(x, weight, halo, lags, splits, head_dim, eps):
     y = F.silu(_conv(x, weight.to(_cdt(x.dtype)), halo, lags))
     q, k, v = _heads(y, splits, head_dim)
-    return _l2_norm(q, eps).to(x.dtype), _l2_norm(k, eps).to(x.dtype), v.to(x.dtype)
+    return _l2_norm(q, eps).to(x.dtype), _l2_norm(k, eps).to(x.dtype), v.to(x.dtype).contiguous()
 
 
 def _l2_norm_bwd(y, dn, eps):
@@ -90,12 +90,14 @@ def _csn_bwd(x, weight, halo, lags, dq, dk, dv, splits, head_dim, eps):
     w = weight.to(cdt)
     W = w.shape[1]
     B, T, C = x.shape
+    if T == 0:  # an empty shard: nothing reaches x, the weight or the halo
+        return torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(halo)
     pre = _conv(x, w, halo, lags)  # recomputed: only x, the weight and the halo are kept
     s = torch.sigmoid(pre)
     yq, yk, _ = _heads(pre * s, splits, head_dim)
-    dyq = _l2_norm_bwd(yq, dq.to(cdt), eps).reshape(B, T, -1)
-    dyk = _l2_norm_bwd(yk, dk.to(cdt), eps).reshape(B, T, -1)
-    dpre = torch.cat([dyq, dyk, dv.to(cdt).reshape(B, T, -1)], dim=-1) * (s * (1 + pre * (1 - s)))
+    dyq = _l2_norm_bwd(yq, dq.to(cdt), eps).reshape(B, T, splits[0])
+    dyk = _l2_norm_bwd(yk, dk.to(cdt), eps).reshape(B, T, splits[1])
+    dpre = torch.cat([dyq, dyk, dv.to(cdt).reshape(B, T, splits[2])], dim=-1) * (s * (1 + pre * (1 - s)))
     dx = dpre * w[:, W - 1]
     dw = [(dpre * x.to(cdt)).sum((0, 1))]
     dhalo = torch.zeros(B, W - 1, C, dtype=cdt, device=x.device)
@@ -132,13 +134,8 @@ class _ConvSiluNorm(torch.autograd.Function):
 
 
 def _silu_norm(x, splits, head_dim, eps):
-    B, T, _ = x.shape
-    y = F.silu(x.to(_cdt(x.dtype)))
-    q, k, v = y.split(splits, dim=-1)
-    q = _l2_norm(q.reshape(B, T, -1, head_dim), eps)
-    k = _l2_norm(k.reshape(B, T, -1, head_dim), eps)
-    v = v.reshape(B, T, -1, splits[2] // (splits[0] // head_dim))
-    return q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
+    q, k, v = _heads(F.silu(x.to(_cdt(x.dtype))), splits, head_dim)
+    return _l2_norm(q, eps).to(x.dtype), _l2_norm(k, eps).to(x.dtype), v.to(x.dtype).contiguous()
 
 
 def _l2_norm_cast(x, eps):
@@ -162,12 +159,14 @@ def _rms_norm_gated(x, weight, gate, eps, out_dtype):
     xf = x.to(cdt)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(cdt)
     y = y * torch.sigmoid(gate.to(cdt).reshape(x.shape))
-    return y.reshape(*x.shape[:-2], -1).to(out_dtype)
+    return y.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1]).to(out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    # dynamic=None: the first shape compiles static, a second one a graph with symbolic sizes (so
+    # many sequence lengths never reach the recompile limit, which fullgraph=True turns into an error)
+    return torch.compile(fn, fullgraph=True, dynamic=None)
 
 
 def use_compiled(*xs) -> bool:

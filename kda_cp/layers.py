@@ -31,11 +31,10 @@ import torch.nn.functional as F
 
 from kda_cp import glue
 from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
-from kda_cp.parallel.conv import causal_conv1d, halo_exchange
+from kda_cp.parallel.conv import agree_conv_inputs, causal_conv1d, halo_exchange
 from kda_cp.parallel.attention import cp_attention
 from kda_cp.parallel.cp import cp_chunk_kda
 from kda_cp.parallel.exchange import group_rank_and_size
-from kda_cp.parallel.sharding import shard_lengths
 from kda_cp.parallel.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
@@ -241,8 +240,9 @@ class KDALayer(nn.Module):
         weight = halo = lags = None
         if c.conv_size > 0:
             weight, start = self.qkv_conv.weight, 0
-            if size > 1:
-                lengths = shard_lengths(qkv, cp_group)
+            if size > 1:  # every rank checks its shard and agrees before the exchange: nothing hangs
+                lengths = agree_conv_inputs(qkv, weight.to(qkv.dtype), None, cu_seqlens, cp_group, "KDALayer",
+                                            min_length=1)
                 start = sum(lengths[:rank])
                 halo = halo_exchange(qkv, c.conv_size - 1, cp_group, lengths)
             if cu_seqlens is not None:

@@ -31,6 +31,17 @@ BackendName = Literal["auto", "torch", "tilelang"]
 BACKENDS = ("auto", "torch", "tilelang")
 
 
+class _DefaultGMin(float):
+    """The default gate bound, -5.0, told apart from an explicit -5.0: with use_gate_in_kernel the
+    caller must name the gate's form (flash-linear-attention's default there is the unbounded one)."""
+
+    def __repr__(self) -> str:
+        return "-5.0"
+
+
+DEFAULT_G_MIN = _DefaultGMin(-5.0)
+
+
 def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True) -> list[int]:
     """Packed-sequence offsets (FlashAttention convention) as a list of ints, after checking them.
 
@@ -434,7 +445,7 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
 
 
 def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-                        dt_bias=None, use_beta_sigmoid_in_kernel=False, g_min: float | None = -5.0):
+                        dt_bias=None, use_beta_sigmoid_in_kernel=False, g_min: float | None = DEFAULT_G_MIN):
     """The input transforms that chunk_kda and cp_chunk_kda take as options (flash-linear-attention's
     names), differentiable, fused on CUDA (:mod:`kda_cp.glue`).
 
@@ -445,7 +456,8 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
         (q, k, g, beta): g and beta in fp32 (fp64 for fp64) where transformed, else as given.
 
     Raises:
-        ValueError: A_log or dt_bias given without use_gate_in_kernel, A_log missing or not [H],
+        ValueError: A_log or dt_bias given without use_gate_in_kernel, g_min not passed with it
+            (the gate's form must be named), A_log missing or not [H],
             dt_bias not [H * K] or [H, K], or g not [B, T, H, K] with q's H and K.
     """
     from kda_cp import glue
@@ -456,6 +468,10 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log and dt_bias are the gate's parameters: pass them with use_gate_in_kernel=True")
+    if use_gate_in_kernel and g_min is DEFAULT_G_MIN:
+        raise ValueError("with use_gate_in_kernel, pass g_min to name the gate's form: a bound in [-5, 0) for "
+                         "g = g_min * sigmoid(exp(A_log) * (g + dt_bias)) (flash-linear-attention's lower_bound), "
+                         "or g_min=None for g = -exp(A_log) * softplus(g + dt_bias) (its default)")
     if use_qk_l2norm_in_kernel:
         q, k = glue.l2_norm(q), glue.l2_norm(k)
     if use_gate_in_kernel:
@@ -525,6 +541,9 @@ class ChunkKDAFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu_seqlens, *kept = ctx.saved_tensors
+        if q.shape[1] == 0:  # no tokens: the final state is the initial state
+            dh0 = torch.zeros_like(h0) if dht is None else dht
+            return (*(torch.zeros_like(x) for x in (q, k, v, g, beta)), dh0.to(h0.dtype), None, None, None)
         prepared = ctx.backend.restore_prepared(q, k, v, g, beta, kept, ctx.opts, cu_seqlens) if kept else None
         grads = ctx.backend.bwd(q, k, v, g, beta, h0, do, dht, ctx.opts, cu_seqlens, prepared=prepared)
         return (
@@ -547,7 +566,7 @@ def chunk_kda(
     chunk_size: int = 64,
     backend: BackendName = "auto",
     check_gate: bool = True,
-    g_min: float | None = -5.0,
+    g_min: float | None = DEFAULT_G_MIN,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
@@ -581,7 +600,9 @@ def chunk_kda(
         use_qk_l2norm_in_kernel: L2-normalize q and k per head first (x / max(||x||, 1e-6)).
         use_gate_in_kernel: g is the gate's pre-activation [B, T, H, K]; the op applies
             g_min * sigmoid(exp(A_log) * (g + dt_bias)), or -exp(A_log) * softplus(g + dt_bias)
-            when g_min is None (torch backend only). A_log: [H]; dt_bias: [H * K] or [H, K] or None.
+            when g_min is None (torch backend only). g_min must then be passed explicitly
+            (flash-linear-attention's default gate is the softplus one, kda_cp's default bound -5).
+            A_log: [H]; dt_bias: [H * K] or [H, K] or None.
         use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid.
             These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
             differentiable in every input, A_log and dt_bias included.
@@ -594,7 +615,7 @@ def chunk_kda(
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
             the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
             (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale,
-            A_log not [H] or dt_bias not [H * K] / [H, K] with use_gate_in_kernel.
+            A_log not [H], dt_bias not [H * K] / [H, K] or g_min not given with use_gate_in_kernel.
         NotImplementedError: backend="tilelang" for inputs the kernels do not cover; in backward,
             a double backward (``create_graph=True``).
 

@@ -120,7 +120,8 @@ def test_bad_input_raises_on_every_rank(case, expect):
 
 
 def _mutation_rank(rank, world):
-    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True)
+    # one seed on every rank: initial_state is replicated, and the ranks check that it agrees
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True, seed=5)
     leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
     _, final = cp_chunk_kda(*leaves, cp_group=dist.group.WORLD, initial_state=h0, output_final_state=True)
     grad = torch.ones_like(final)

@@ -116,3 +116,19 @@ def test_compiled_glue_matches_eager():
             outs[cm] = (res, torch.autograd.grad(res, leaves, cot))
         for a, b_ in zip(outs[False][0] + list(outs[False][1]), outs[True][0] + list(outs[True][1])):
             torch.testing.assert_close(b_, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_glue_takes_many_lengths():
+    """One process calling the compiled glue at many sequence lengths: no recompile-limit error,
+    and each result equals the eager one."""
+    torch.manual_seed(1)
+    H, K, W = 2, 8, 4
+    C = 3 * H * K
+    w = torch.randn(C, W)
+    for T in range(3, 15):
+        x = torch.randn(1, T, C)
+        got = glue.conv_silu_norm(x, w, (H * K, H * K, H * K), K, 1e-6, compiled=True)
+        want = glue.conv_silu_norm(x, w, (H * K, H * K, H * K), K, 1e-6, compiled=False)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

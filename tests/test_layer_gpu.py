@@ -112,7 +112,7 @@ def test_op_options_through_kernels(T):
         leaves = [x.to(device, dtype).requires_grad_(True) for x in (q, k, v)]
         leaves += [x.to(device, torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_(True)
                    for x in (z, b, A_log, dt_bias)]
-        o, _ = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], backend=backend, **opts)
+        o, _ = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], backend=backend, g_min=-5.0, **opts)
         return [o] + list(torch.autograd.grad(o, leaves, do.to(device, o.dtype)))
 
     want = run("cpu", torch.float64, "torch")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -127,3 +129,36 @@ def test_model_cp2_matches_unsharded():
     for name, p in model.named_parameters():
         got = sum(r["grads"][name] for r in res)
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _bad_cp_rank(rank, world_size, case):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layer = KDALayer(KDAConfig(**CFG))
+    T = {"empty-shard": [5, 0], "batch": [6, 6]}[case][rank]
+    B = 2 if case == "batch" and rank == 1 else 1
+    try:
+        layer(torch.randn(B, T, 32), cp_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,patterns", [
+    ("empty-shard", [r"rank\(s\) \[1\] of the cp_group rejected", "at least 1 token"]),
+    ("batch", ["ranks disagree on", "ranks disagree on"]),
+])
+def test_layer_bad_shards_raise_on_every_rank(case, patterns):
+    for rank, (msg, pattern) in enumerate(zip(run_ranks(_bad_cp_rank, 2, case, timeout=90), patterns)):
+        assert re.search(pattern, msg), f"rank {rank}: {msg}"
+
+
+def test_layer_empty_sequence():
+    layer = KDALayer(KDAConfig(**CFG))
+    x = torch.randn(2, 0, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, 32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is None or torch.count_nonzero(p.grad) == 0
+                                           for p in layer.parameters())

@@ -38,11 +38,11 @@ def _explicit(q, k, z, b, A_log, dt_bias, g_min):
     return q, k, g, torch.sigmoid(b)
 
 
-@pytest.mark.parametrize("g_min", [-5.0, -2.5, None], ids=["bound5", "bound2.5", "softplus"])
-def test_options_equal_explicit_transforms_and_recurrence(g_min):
+@pytest.mark.parametrize("g_min,seed", [(-5.0, 11), (-2.5, 12), (None, 13)], ids=["bound5", "bound2.5", "softplus"])
+def test_options_equal_explicit_transforms_and_recurrence(g_min, seed):
     T, H, K, V = 45, 2, 8, 6
     cu = torch.tensor([0, 9, 10, 45])
-    q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=hash(str(g_min)) % 1000)
+    q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=seed)
     o, ht = chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias, g_min=g_min, cu_seqlens=cu, chunk_size=16,
                       output_final_state=True, **OPTS)
     qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, g_min)
@@ -64,29 +64,33 @@ def test_each_option_alone_and_dt_bias_as_matrix():
     ref, _ = chunk_kda(qn, kn, v, g, beta)
     cases = [
         dict(q=q, k=k, g=g, beta=beta, use_qk_l2norm_in_kernel=True),
-        dict(q=qn, k=kn, g=z, beta=beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias.view(H, K)),
+        dict(q=qn, k=kn, g=z, beta=beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias.view(H, K), g_min=-5.0),
         dict(q=qn, k=kn, g=g, beta=b, use_beta_sigmoid_in_kernel=True),
     ]
     for kw in cases:
         o, _ = chunk_kda(v=v, **kw)
         torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
-    o, _ = chunk_kda(qn, kn, v, z + dt_bias.view(H, K), beta, use_gate_in_kernel=True, A_log=A_log)  # no dt_bias
+    o, _ = chunk_kda(qn, kn, v, z + dt_bias.view(H, K), beta, use_gate_in_kernel=True, A_log=A_log, g_min=-5.0)
     torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
 
 
 def test_bad_gate_parameters():
     T, H, K, V = 12, 2, 4, 4
     q, k, v, z, b, A_log, dt_bias = (x.detach() for x in _raw(T, H, K, V, seed=1))
+    gate = dict(use_gate_in_kernel=True, g_min=-5.0)
     with pytest.raises(ValueError, match=r"A_log must be a float tensor \[H\] = \[2\]"):
-        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log[:1], dt_bias=dt_bias)
+        chunk_kda(q, k, v, z, b, A_log=A_log[:1], dt_bias=dt_bias, **gate)
     with pytest.raises(ValueError, match=r"A_log must be"):
-        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, dt_bias=dt_bias)
+        chunk_kda(q, k, v, z, b, dt_bias=dt_bias, **gate)
     with pytest.raises(ValueError, match=r"dt_bias must be a float tensor \[H \* K\] = \[8\]"):
-        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias[:-1])
+        chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias[:-1], **gate)
     with pytest.raises(ValueError, match="use_gate_in_kernel=True"):
         chunk_kda(q, k, v, z, b, A_log=A_log)
     with pytest.raises(ValueError, match=r"g \(the gate's pre-activation\) must be \[B, T, H, K\]"):
-        chunk_kda(q, k, v, z[..., 0], b, use_gate_in_kernel=True, A_log=A_log)
+        chunk_kda(q, k, v, z[..., 0], b, A_log=A_log, **gate)
+    # flash-linear-attention's default gate is the softplus one: the form must be named, not assumed
+    with pytest.raises(ValueError, match="pass g_min to name the gate's form"):
+        chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
     with pytest.raises(ValueError, match="g is a log decay"):  # without the option, z is taken as g
         chunk_kda(q, k, v, z, b)
 
@@ -99,7 +103,7 @@ def _cp_body(rank, world_size, leaves, lengths, cu, do):
     q, k, v, z, b = (x[:, sl].clone().requires_grad_(True) for x in leaves[:5])
     A_log, dt_bias = (x.clone().requires_grad_(True) for x in leaves[5:])
     o, ht = cp_chunk_kda(q, k, v, z, b, cp_group=dist.group.WORLD, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
-                         chunk_size=16, output_final_state=True, **OPTS)
+                         chunk_size=16, output_final_state=True, g_min=-5.0, **OPTS)
     grads = torch.autograd.grad((o, ht), [q, k, v, z, b, A_log, dt_bias], (do[:, sl], torch.ones_like(ht) / world_size))  # summed over ranks
     return {"o": o.detach(), "ht": ht.detach(), "grads": grads}
 
@@ -110,8 +114,8 @@ def test_cp_options_equal_unsharded(lengths):
     cu = [0, 5, 26, 27, T]  # sequences crossing rank boundaries
     leaves = _raw(T, H, K, V, seed=len(lengths))
     o, ht = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], cu_seqlens=cu, chunk_size=16,
-                      output_final_state=True, **OPTS)
-    do = torch.randn_like(o)
+                      output_final_state=True, g_min=-5.0, **OPTS)
+    do = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(7))
     want = torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
     res = run_ranks(_cp_body, len(lengths), [x.detach() for x in leaves], lengths, cu, do)
     torch.testing.assert_close(torch.cat([r["o"] for r in res], 1), o.detach(), rtol=1e-10, atol=1e-10)
@@ -123,3 +127,25 @@ def test_cp_options_equal_unsharded(lengths):
     for i, name in ((5, "A_log"), (6, "dt_bias")):  # replicated parameters: the ranks' shares sum up
         got = sum(r["grads"][i] for r in res)
         torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _disagree_rank(rank, world_size, case):
+    import torch.distributed as dist
+
+    q, k, v, z, b, A_log, dt_bias = (x.detach() for x in _raw(16, 2, 4, 4, seed=9))
+    kw = dict(OPTS, g_min=-5.0, A_log=A_log, dt_bias=dt_bias)
+    if case == "flag" and rank == 1:
+        kw["use_qk_l2norm_in_kernel"] = False
+    if case == "A_log" and rank == 1:
+        kw["A_log"] = A_log + 1e-3
+    try:
+        cp_chunk_kda(q, k, v, z, b, cp_group=dist.group.WORLD, **kw)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,name", [("flag", "use_qk_l2norm_in_kernel"), ("A_log", "A_log")])
+def test_cp_ranks_disagreeing_on_options_raise_on_every_rank(case, name):
+    for msg in run_ranks(_disagree_rank, 2, case, timeout=90):
+        assert "ranks disagree on the options" in msg and name in msg, msg

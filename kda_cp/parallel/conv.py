@@ -27,7 +27,7 @@ from kda_cp.ops import check_cu_seqlens
 from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code, group_rank_and_size
 from kda_cp.parallel.sharding import shard_lengths
 
-__all__ = ["causal_conv1d", "halo_exchange"]
+__all__ = ["causal_conv1d", "halo_exchange", "agree_conv_inputs"]
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -146,6 +146,27 @@ def _check_cu_seqlens(cu_seqlens, x: torch.Tensor, total: int) -> torch.Tensor:
     return torch.as_tensor(cu_seqlens)
 
 
+def agree_conv_inputs(x, weight, bias, cu_seqlens, cp_group, what: str = "causal_conv1d",
+                      min_length: int = 0) -> list[int]:
+    """Check this rank's conv inputs and agree with the others before any exchange (collective).
+
+    Returns every rank's shard length. Raises ValueError on every rank when one rank's inputs are
+    bad (shapes, dtypes, cu_seqlens, a shard shorter than ``min_length``) or the ranks disagree on
+    B, D, W, bias, dtype or cu_seqlens.
+    """
+    def check():
+        _check(x, weight, bias)
+        if x.shape[1] < min_length:
+            raise ValueError(f"every rank's shard must hold at least {min_length} token(s), got T_r = {x.shape[1]}")
+        cs = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else []
+        return x.shape[1], [x.shape[0], x.shape[2], weight.shape[1], int(bias is not None), dtype_code(x.dtype),
+                            len(cs), digest(cs)]
+
+    return check_and_agree(check, cp_group, what,
+                           ("B", "D", "W", "bias", "dtype", "len(cu_seqlens)", "cu_seqlens digest"),
+                           device=getattr(x, "device", None))
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -186,16 +207,7 @@ def causal_conv1d(
     if size > 1:
         # Every rank checks its inputs before the halo exchange and all raise together: a bad
         # input on one rank must not leave the others blocked in a collective.
-
-        def check():
-            _check(x, weight, bias)
-            cs = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else []
-            return x.shape[1], [x.shape[0], x.shape[2], weight.shape[1], int(bias is not None), dtype_code(x.dtype),
-                                len(cs), digest(cs)]
-
-        lengths = check_and_agree(check, cp_group, "causal_conv1d",
-                                  ("B", "D", "W", "bias", "dtype", "len(cu_seqlens)", "cu_seqlens digest"),
-                                  device=getattr(x, "device", None))
+        lengths = agree_conv_inputs(x, weight, bias, cu_seqlens, cp_group)
     else:
         _check(x, weight, bias)
     W = weight.shape[1]

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import (Backend, BackendName, KDAOptions, apply_input_options, check_inputs, check_scale, chunk_kda,
-                        dense_on_cuda, first_order_only, get_backend)
+from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_inputs,
+                        check_scale, chunk_kda, dense_on_cuda, first_order_only, get_backend)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
@@ -346,7 +346,7 @@ def cp_chunk_kda(
     exchange: Exchange = "auto",
     scan_method: scan.ScanMethod = "log_depth",
     check_gate: bool = True,
-    g_min: float | None = -5.0,
+    g_min: float | None = DEFAULT_G_MIN,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
@@ -463,7 +463,9 @@ def cp_chunk_kda(
             int(output_final_state), chunk_size if ok_shapes else 0, int(cu_seqlens is not None)]
     options = [int(exchange_kind == "p2p"), int(scan_method == "sequential"),
                float_code(scale) if ok_shapes else 0, float_code(g_min) if ok_shapes else 0, *cu_code,
-               tensor_digest(initial_state) if ok_shapes and size > 1 else 0]
+               tensor_digest(initial_state) if ok_shapes and size > 1 else 0,
+               int(use_qk_l2norm_in_kernel), int(use_gate_in_kernel), int(use_beta_sigmoid_in_kernel),
+               tensor_digest(A_log) if ok_shapes else 0, tensor_digest(dt_bias) if ok_shapes else 0]
     device = q.device if ok_shapes else None
     try:
         table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
@@ -482,11 +484,12 @@ def cp_chunk_kda(
         )
     differ = (table[:, 1 + n_same:-1] != table[0, 1 + n_same:-1]).any(dim=0).tolist()
     if any(differ):
-        names = ["exchange", "scan_method", "scale", "g_min", "len(cu_seqlens)", "cu_seqlens", "initial_state"]
+        names = ["exchange", "scan_method", "scale", "g_min", "len(cu_seqlens)", "cu_seqlens", "initial_state",
+                 "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "A_log", "dt_bias"]
         raise ValueError(
             f"cp_chunk_kda: ranks disagree on the options [{', '.join(n for n, d in zip(names, differ) if d)}]; every "
-            "rank of the "
-            "group must pass the same values (initial_state and cu_seqlens are replicated: the same tensor everywhere)"
+            "rank of the group must pass the same values (initial_state, cu_seqlens, A_log and dt_bias are "
+            "replicated: the same tensor everywhere)"
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])
