@@ -1,6 +1,6 @@
 """Sweep the operand type and the number of pieces of the CP summary (from the forward's prepared tensors).
 
-Times kda_cp.kernels._summary_run (the summary state kernel over each sequence cut into `pieces`
+Times kda_cp.kernels.launch.summary_run (the summary state kernel over each sequence cut into `pieces`
 parts, plus their composition) at the benchmark shapes S1 (T=32768, H=32) and S3 (T=131072,
 H=16), bf16, median of repeats with CUDA events, and checks each result against the first one's.
 Prints a table, writes JSON. With --only P it runs pieces=P once per shape (for ncu). Measured on
@@ -16,7 +16,8 @@ import json
 import torch
 from _bench import SHAPES, make_inputs, time_ms
 
-from kda_cp.kernels import _summary_pieces, _summary_run, chunk_kda_fwd_prepare
+from kda_cp.kernels import chunk_kda_fwd_prepare
+from kda_cp.kernels.launch import summary_pieces, summary_run
 
 PIECES = [1, 2, 4]
 
@@ -34,12 +35,12 @@ def main():
         q, k, v, g, beta = make_inputs(**sh)
         prep = chunk_kda_fwd_prepare(q, k, v, g, beta, scale=sh["K"] ** -0.5)
         W, U, _, Kd, _, Ec, tables = prep.tensors
-        run = lambda p, ops="bf16x2": _summary_run(W, U, Kd, Ec, tables.seq_table, tables.num_chunks, p, ops)  # noqa: E731
+        run = lambda p, ops="bf16x2": summary_run(W, U, Kd, Ec, tables.seq_table, tables.num_chunks, p, ops)  # noqa: E731
         if a.only is not None:
             run(a.only)
             torch.cuda.synchronize()
             continue
-        auto = _summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks)
+        auto = summary_pieces(W.device, sh["B"], sh["H"], sh["K"], sh["V"], tables.num_chunks)
         print(f"\n{name} {sh} (default pieces: {auto})\n| operands | pieces | ms | rel diff of [M, S~] vs TF32, "
               f"1 piece |\n|---|---|---|---|")
         ref = None

@@ -1,4 +1,4 @@
-"""Run scripts/train.py's train() for several configs inside ONE torchrun world (tests/test_train_scale.py).
+"""Run kda_cp.train.train() for several configs inside ONE torchrun world (tests/test_train_scale.py).
 
     torchrun --standalone --nproc_per_node=4 tests/_train_layouts.py '<json: list of override lists>'
 
@@ -8,7 +8,6 @@ the first train() call) and reused, so one launch covers several dp x cp layouts
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,20 +15,18 @@ from pathlib import Path
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from kda_cp.train import train
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("kda_cp_train_script", ROOT / "scripts" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
     cases = json.loads(sys.argv[1])
     try:
         for overrides in cases:
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
                 cfg = compose(config_name="config", overrides=overrides)
-            mod.train(cfg)
+            train(cfg)
         if dist.is_initialized():
             # every rank's outstanding collectives (gloo runs them in order) done before teardown:
             # a rank that tore down while another's asynchronous work was in flight aborted once

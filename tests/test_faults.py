@@ -9,7 +9,6 @@ launch has a deadline (tests._dist.run_command kills the whole process tree past
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import random
@@ -24,6 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from kda_cp.train import ConfigError, Trainer, compose_config, train
+from kda_cp.train.metrics import continue_metrics
 
 from tests._dist import descendants, finish, kill_tree, run_command, run_ranks
 
@@ -48,19 +50,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 OUR_FRAMES = 'scripts/train.py", line'  # a traceback frame of the training script (torchrun prints its own)
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("kda_cp_train_script_faults", ROOT / "scripts" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-train_script = _train_module()
-
-
 def _cfg(overrides):
-    return train_script.compose_config(overrides)
+    return compose_config(overrides)
 
 
 def _torchrun(args, nproc=2, timeout=240, env=None):
@@ -142,7 +133,7 @@ def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
 
 
 def _group_timeout_rank(rank, world, timeout_s):
-    from kda_cp.parallel.mesh import ParallelDims
+    from kda_cp.train.distributed import ParallelDims
 
     dims = ParallelDims.from_cp(world, world)
     dims.build_mesh("cpu", timeout=timedelta(seconds=timeout_s))
@@ -223,7 +214,7 @@ def test_unloadable_checkpoint_falls_back(tmp_path, caplog):
     """A checkpoint whose files pass the manifest (here one without digests) but do not unpickle:
     the resume warns with the loader's error and continues, exactly, from the one before."""
     base = [*TINY, "parallel.cp=1", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
-    train_script.train(_cfg([*base, f"trainer.run_dir={tmp_path / 'full'}"]))
+    train(_cfg([*base, f"trainer.run_dir={tmp_path / 'full'}"]))
     run = tmp_path / "run"
     shutil.copytree(tmp_path / "full", run)
     step4 = run / "checkpoints" / "step_00000004"
@@ -233,7 +224,7 @@ def test_unloadable_checkpoint_falls_back(tmp_path, caplog):
     manifest["files"] = {rel: e["size"] for rel, e in manifest["files"].items()}  # sizes only
     (step4 / "MANIFEST.json").write_text(json.dumps(manifest))
     with caplog.at_level("WARNING"):
-        summary = train_script.train(_cfg([*base, f"trainer.run_dir={run}", "trainer.resume=true"]))
+        summary = train(_cfg([*base, f"trainer.run_dir={run}", "trainer.resume=true"]))
     assert "step_00000004 could not be loaded (step_00000004: rank 0: UnpicklingError" in caplog.text, caplog.text
     assert summary["start_step"] == 2
     assert [m.get("loss") for m in _records(run)] == [m.get("loss") for m in _records(tmp_path / "full")]
@@ -247,12 +238,12 @@ def test_metrics_torn_or_past_the_checkpoint_are_cut_and_appended(tmp_path):
     lines.insert(2, json.dumps({"step": 2, "val_loss": 0.7}) + "\n")
     head = "".join(lines)
     path.write_text(head + json.dumps({"step": 4, "loss": 0.2}) + "\n" + '{"step": 5, "lo')
-    kept = train_script._continue_metrics(path, 3)
+    kept = continue_metrics(path, 3)
     assert path.read_text() == head and [m["step"] for m in kept] == [1, 2, 2, 3]
     path.write_text(head + '{"step": 4, "lo')  # torn right after the resumed step
-    assert len(train_script._continue_metrics(path, 4)) == 4 and path.read_text() == head
+    assert len(continue_metrics(path, 4)) == 4 and path.read_text() == head
     path.write_text(head.rstrip("\n"))
-    assert len(train_script._continue_metrics(path, 3)) == 4 and path.read_text() == head
+    assert len(continue_metrics(path, 3)) == 4 and path.read_text() == head
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +260,7 @@ def test_full_disk_while_checkpointing(tmp_path):
         pytest.skip("needs root to mount a small tmpfs (a full disk); not root here")
     # the size of a 2-rank checkpoint: rank 0's state.pt + one rng file per rank (+ manifest, config)
     probe = tmp_path / "probe"
-    train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=1", f"trainer.run_dir={probe}"]))
+    train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=1", f"trainer.run_dir={probe}"]))
     files = list((probe / "checkpoints" / "step_00000001").iterdir())
     page = 4096
     pages = sum(-(-f.stat().st_size // page) for f in files) + 1  # + the second rank's rng file
@@ -321,7 +312,7 @@ def test_checkpoint_write_error_message_names_step_reason_and_path(tmp_path):
 def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
     base = [*TINY, "parallel.cp=1", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
     run = tmp_path / "run"
-    train_script.train(_cfg([*base, f"trainer.run_dir={run}"]))
+    train(_cfg([*base, f"trainer.run_dir={run}"]))
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(256)) * 200)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -329,8 +320,8 @@ def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
     for override, named in (("data.seq_len=32", "data.seq_len (64 -> 32)"), ("data.batch_size=2", "data.batch_size"),
                             ("model.d_model=48", "model.d_model (32 -> 48)"), (f"data.path={text}", "data.path"),
                             ("optim.lr=0.01", "optim.lr"), ("trainer.seed=3", "trainer.seed")):
-        with pytest.raises(train_script.ConfigError, match="differs from that of .*step_00000004") as info:
-            train_script.train(_cfg([*resume, override]))
+        with pytest.raises(ConfigError, match="differs from that of .*step_00000004") as info:
+            train(_cfg([*resume, override]))
         assert named in str(info.value), (override, str(info.value))
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     # one line from the command line, and nothing written
@@ -341,7 +332,7 @@ def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
     assert "Traceback" not in proc.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     # the loop's and the output's keys may change
-    summary = train_script.train(_cfg([*resume, "trainer.max_steps=6", "trainer.log_every=1", "trainer.val_every=3",
+    summary = train(_cfg([*resume, "trainer.max_steps=6", "trainer.log_every=1", "trainer.val_every=3",
                                        "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3"]))
     assert summary["start_step"] == 4 and [m["step"] for m in _records(run) if "loss" in m] == list(range(1, 7))
 
@@ -401,7 +392,7 @@ def test_failure_in_the_first_step_leaves_no_run_dir(tmp_path, monkeypatch):
     """The run directory is made just before the first step and removed if that step fails; once a
     step is recorded it stays."""
     run = tmp_path / "run"
-    real = train_script._loss_sum
+    real = Trainer.loss_sum
     calls = []
 
     def fails_at(n):
@@ -413,12 +404,12 @@ def test_failure_in_the_first_step_leaves_no_run_dir(tmp_path, monkeypatch):
 
         return loss_sum
 
-    monkeypatch.setattr(train_script, "_loss_sum", fails_at(1))
+    monkeypatch.setattr(Trainer, "loss_sum", fails_at(1))
     with pytest.raises(RuntimeError, match="injected failure"):
-        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+        train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
     assert not run.exists()
     calls.clear()
-    monkeypatch.setattr(train_script, "_loss_sum", fails_at(2))
+    monkeypatch.setattr(Trainer, "loss_sum", fails_at(2))
     with pytest.raises(RuntimeError, match="injected failure"):
-        train_script.train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
+        train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
     assert [m["step"] for m in _records(run)] == [1]

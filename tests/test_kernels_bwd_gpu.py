@@ -7,7 +7,7 @@ kda_cp.reference.naive_recurrent_kda in fp64 on the same bf16/fp16-rounded input
 
 Tolerances: relative RMS <= 8e-3 for dq, dk, dv, dh0 and <= 2e-2 for dg, dbeta.
 ``test_stages_match_mirror`` compares every intermediate of the kernels with the fp64 mirror
-(kda_cp.kernels.bwd_mirror) so that a failure names the stage.
+(tests/_bwd_mirror.py) so that a failure names the stage.
 """
 import pytest
 import torch
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
 
 kernels = pytest.importorskip("kda_cp.kernels")
 from kda_cp.kernels import backward  # noqa: E402
-from kda_cp.kernels.bwd_mirror import chunk_kda_bwd_mirror  # noqa: E402
+from tests._bwd_mirror import chunk_kda_bwd_mirror  # noqa: E402
 from kda_cp.reference import naive_recurrent_kda  # noqa: E402
 
 TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
@@ -205,6 +205,7 @@ def test_varlen_padding_zeros():
 def test_stages_match_mirror():
     """Each kernel stage vs the fp64 mirror's intermediates (B = 1, T = 200 with a partial chunk)."""
     from kda_cp.kernels import _common
+    from kda_cp.kernels.launch import kernel_inputs
     from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
     from kda_cp.kernels.bwd_state import build_bwd_state_kernel
 
@@ -217,7 +218,7 @@ def test_stages_match_mirror():
                                dht=d(dht), stages=st)
     tables = _common.build_chunk_tables(B, T, None, C, q.device)
     NC = tables.num_chunks
-    qf, kf, vf, gf, bf = kernels._kernel_inputs(q, k, v, g, beta)
+    qf, kf, vf, gf, bf = kernel_inputs(q, k, v, g, beta)
     dt = "bfloat16"
     W, U, Qg, Kd, Aqk, Ec = backward._recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale,
                                                        q.dtype, q.device)

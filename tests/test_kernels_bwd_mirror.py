@@ -1,4 +1,4 @@
-"""The torch mirror of the TileLang backward (kda_cp.kernels.bwd_mirror) vs torch autograd, in fp64 on CPU.
+"""The torch mirror of the TileLang backward (tests/_bwd_mirror.py) vs torch autograd, in fp64 on CPU.
 
 The mirror is the specification of the backward kernels: explicit per-chunk gradients, recomputed
 chunk-start states, the reverse state-gradient pass and the sub-chunk factorisations. Here it must
@@ -8,7 +8,7 @@ recurrence (naive_recurrent_kda) to ~1e-10 relative. Inputs are drawn fresh per 
 import pytest
 import torch
 
-from kda_cp.kernels.bwd_mirror import chunk_kda_bwd_mirror, chunk_kda_state_grad_mirror
+from tests._bwd_mirror import chunk_kda_bwd_mirror, chunk_kda_state_grad_mirror
 from kda_cp.reference import chunk_kda_torch, naive_recurrent_kda
 from tests._utils import make_inputs, rel_rms
 

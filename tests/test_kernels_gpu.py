@@ -224,7 +224,7 @@ def test_summary_pieces_match_fp64(pieces, inputs):
     gives each packed sequence's (M, S~) within tolerance of fp64: from the forward's prepared
     tensors (the forward's tolerance: its factors are rounded to the input dtype), and from the
     fp32 summary intra kernel (3xTF32 everywhere: the summary tolerance)."""
-    from kda_cp.kernels import _kernel_inputs, _summary_run
+    from kda_cp.kernels.launch import kernel_inputs, summary_run
     from kda_cp.kernels._common import build_chunk_tables
     from kda_cp.kernels.intra import build_intra_summary_kernel
 
@@ -239,13 +239,13 @@ def test_summary_pieces_match_fp64(pieces, inputs):
         NC = tab.num_chunks
         e = lambda *s: torch.empty(*s, device="cuda", dtype=torch.float32)  # noqa: E731
         W, U, Kd, Ec = e(NC, H, C, K), e(NC, H, C, K), e(NC, H, K, C), e(NC, H, K)
-        _, kf, vf, gf, bf = _kernel_inputs(k, k, v, g, beta)
+        _, kf, vf, gf, bf = kernel_inputs(k, k, v, g, beta)
         build_intra_summary_kernel(None, K, K, C, "bfloat16")(kf, vf, gf, bf, tab.chunk_table, W, U, Kd, Ec)
         tol = SUMMARY_TOL
     else:
         W, U, _, Kd, _, Ec, tab = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu).tensors
         tol = FWD_TOL
-    M, St = _summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
+    M, St = summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
     assert torch.equal(M[2], torch.eye(K, device="cuda").expand(H, K, K)) and not St[2].any()
     check_per_sequence(M, St, cu, k, v, g, beta, tol)
 
@@ -271,7 +271,7 @@ def test_prepared_summary_arithmetic_matches_fp64_chain(dtype, K):
     the summary tolerance; one bf16 piece (2^-9 relative per product) would not be. H200: bf16
     at most 4.5e-6; fp16 up to 1.4e-5 on the 21-chunk sequence (the TF32 tail piece is
     truncated, not rounded, so its error adds up along the chain instead of averaging out)."""
-    from kda_cp.kernels import _summary_run
+    from kda_cp.kernels.launch import summary_run
 
     H = 2
     lens = [700, 45, 1333]
@@ -279,7 +279,7 @@ def test_prepared_summary_arithmetic_matches_fp64_chain(dtype, K):
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
     W, U, _, Kd, _, Ec, tab = kernels.chunk_kda_fwd_prepare(q, k, v, g, beta, scale=K**-0.5, cu_seqlens=cu).tensors
     for pieces in (None, 3):
-        M, St = _summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
+        M, St = summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
         for i, (c0, nc) in enumerate(tab.seq_table[:, :2].tolist()):
             M_ref, St_ref = _chain_fp64(W, U, Kd, Ec, c0, nc)
             check(f"M of sequence {i} (pieces {pieces})", M_ref, M[i], 1e-4)

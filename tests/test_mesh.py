@@ -1,10 +1,10 @@
-"""kda_cp.parallel.mesh.ParallelDims: validation, coordinates, the named ("dp", "cp") mesh (gloo)."""
+"""kda_cp.train.distributed.ParallelDims: validation, coordinates, the named ("dp", "cp") mesh (gloo)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kda_cp.parallel.mesh import ParallelDims
+from kda_cp.train.distributed import ParallelDims
 
 from tests._dist import run_ranks
 

@@ -1,8 +1,7 @@
-"""scripts/train.py end to end: a tiny in-process run, resume, and CP / DP invariance of the loss."""
+"""The trainer (kda_cp.train) end to end: a tiny in-process run, resume, and CP / DP invariance of the loss."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+
+from kda_cp.model import KDALanguageModel
+from kda_cp.train import ConfigError, TrainConfig, build_layout, compose_config, to_train_config, train
 
 from tests._dist import run_command
 
@@ -34,17 +36,6 @@ TINY = [
 ]
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("kda_cp_train_script", ROOT / "scripts" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-train_script = _train_module()
-
-
 def _cfg(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
@@ -57,7 +48,7 @@ def _losses(run_dir: Path, key: str = "loss") -> list[float]:
 
 def _in_process(run_dir: Path, extra=()):
     cfg = _cfg(TINY + ["parallel.cp=1", f"trainer.run_dir={run_dir}", *extra])
-    return train_script.train(cfg)
+    return train(cfg)
 
 
 def test_overrides_compose():
@@ -65,30 +56,30 @@ def test_overrides_compose():
     from omegaconf import OmegaConf
 
     tc = OmegaConf.to_object(cfg)
-    assert isinstance(tc, train_script.TrainConfig)
+    assert isinstance(tc, TrainConfig)
     assert (tc.parallel.cp, tc.trainer.max_steps, tc.data.seq_len, tc.model.n_layers) == (4, 7, 300, 5)
     with pytest.raises(Exception):
         _cfg(["model.no_such_field=1"])
 
 
 def test_layout():
-    lay = train_script.build_layout(world_size=6, rank=4, cp=2, device=torch.device("cpu"))
+    lay = build_layout(world_size=6, rank=4, cp=2, device=torch.device("cpu"))
     assert (lay.dp, lay.cp, lay.dp_rank, lay.cp_rank) == (3, 2, 2, 0)
     with pytest.raises(ValueError, match="parallel.cp"):
-        train_script.build_layout(world_size=4, rank=0, cp=3, device=torch.device("cpu"))
+        build_layout(world_size=4, rank=0, cp=3, device=torch.device("cpu"))
 
 
 def test_bad_train_config(tmp_path):
     with pytest.raises(ValueError, match="parallel.cp=2"):
-        train_script.train(_cfg(TINY + ["parallel.cp=2"]))
+        train(_cfg(TINY + ["parallel.cp=2"]))
     with pytest.raises(ValueError, match="trainer.run_dir"):
-        train_script.train(_cfg(TINY + ["trainer.resume=true"]))
+        train(_cfg(TINY + ["trainer.resume=true"]))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="parallel.device=cuda, but"):
-            train_script.train(_cfg(TINY + ["parallel.cp=1", "parallel.device=cuda"]))
+            train(_cfg(TINY + ["parallel.cp=1", "parallel.device=cuda"]))
     (tmp_path / "a_file").write_text("notes")
     with pytest.raises(ValueError, match="trainer.run_dir must be a directory"):
-        train_script.train(_cfg(TINY + ["parallel.cp=1", f"trainer.run_dir={tmp_path / 'a_file'}"]))
+        train(_cfg(TINY + ["parallel.cp=1", f"trainer.run_dir={tmp_path / 'a_file'}"]))
     assert (tmp_path / "a_file").read_text() == "notes"
 
 
@@ -222,12 +213,12 @@ def test_unknown_keys_are_rejected():
     """Hydra adds +trainer.foo=1 and +foo=1 to the struct config, and OmegaConf.to_object drops
     them silently: to_train_config names them."""
     for override, key in (("+trainer.foo=1", "trainer.foo"), ("+foo=1", "foo"), ("+model.heads=2", "model.heads")):
-        with pytest.raises(train_script.ConfigError, match=rf"unknown config key\(s\): {key} "):
-            train_script.to_train_config(_cfg([override]))
-    with pytest.raises(train_script.ConfigError, match="unknown config key"):
-        train_script.train(_cfg(TINY + ["parallel.cp=1", "+trainer.foo=1"]))
-    with pytest.raises(train_script.ConfigError, match="Could not override 'trainer.foo'"):
-        train_script.compose_config(["trainer.foo=1"])
+        with pytest.raises(ConfigError, match=rf"unknown config key\(s\): {key} "):
+            to_train_config(_cfg([override]))
+    with pytest.raises(ConfigError, match="unknown config key"):
+        train(_cfg(TINY + ["parallel.cp=1", "+trainer.foo=1"]))
+    with pytest.raises(ConfigError, match="Could not override 'trainer.foo'"):
+        compose_config(["trainer.foo=1"])
 
 
 def test_layer_patterns_that_fit():
@@ -235,17 +226,17 @@ def test_layer_patterns_that_fit():
     builds one attention layer per four blocks."""
     from kda_cp.layers import AttentionLayer
 
-    cfg = train_script.to_train_config(_cfg(["model.layer_pattern=KKKA", "model.n_layers=4"]))
-    model = train_script.KDALanguageModel(cfg.model)
+    cfg = to_train_config(_cfg(["model.layer_pattern=KKKA", "model.n_layers=4"]))
+    model = KDALanguageModel(cfg.model)
     assert sum(isinstance(m, AttentionLayer) for m in model.modules()) == 1
-    assert train_script.to_train_config(_cfg(["model.layer_pattern=KA", "model.n_layers=6"])).model.n_layers == 6
+    assert to_train_config(_cfg(["model.layer_pattern=KA", "model.n_layers=6"])).model.n_layers == 6
     for pattern, n in (("KKKA", 6), ("KA", 3), ("KKA", 2)):
-        with pytest.raises(train_script.ConfigError, match=f"model.layer_pattern='{pattern}'.*model.n_layers={n}"):
-            train_script.to_train_config(_cfg([f"model.layer_pattern={pattern}", f"model.n_layers={n}"]))
-    cfg = train_script.to_train_config(_cfg(["parallel.cp=4", "data.seq_len=4"]))  # one token per rank is enough
+        with pytest.raises(ConfigError, match=f"model.layer_pattern='{pattern}'.*model.n_layers={n}"):
+            to_train_config(_cfg([f"model.layer_pattern={pattern}", f"model.n_layers={n}"]))
+    cfg = to_train_config(_cfg(["parallel.cp=4", "data.seq_len=4"]))  # one token per rank is enough
     assert cfg.data.seq_len == 4
-    with pytest.raises(train_script.ConfigError, match="ulysses needs data.seq_len % parallel.cp == 0"):
-        train_script.to_train_config(_cfg(["parallel.strategy=ulysses", "data.seq_len=101"]))
+    with pytest.raises(ConfigError, match="ulysses needs data.seq_len % parallel.cp == 0"):
+        to_train_config(_cfg(["parallel.strategy=ulysses", "data.seq_len=101"]))
 
 
 def test_deepspeed_and_experiment_configs_compose():

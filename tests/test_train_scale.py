@@ -7,7 +7,6 @@ dp 4 x cp 1) one after the other (tests/_train_layouts.py), compared with one in
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from kda_cp.train import train
 
 from tests._deepspeed import has_deepspeed, require_deepspeed
 from tests._dist import finish, kill_tree, run_command
@@ -55,14 +56,6 @@ CONFIGS = {
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("kda_cp_train_script_scale", ROOT / "scripts" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
@@ -79,7 +72,7 @@ def _metrics(run_dir: Path, key: str) -> dict[int, float]:
 def reference(tmp_path_factory):
     """One process, the same global batches: the curve every layout must reproduce."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    _train_module().train(_compose(TINY + ["parallel.cp=1", f"trainer.run_dir={run}"]))
+    train(_compose(TINY + ["parallel.cp=1", f"trainer.run_dir={run}"]))
     return run
 
 
@@ -175,7 +168,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
     assert _metrics(run, "val_loss")[40] == _metrics(tmp_path / "full", "val_loss")[40]
     if ds == "none":  # resuming a 2-rank checkpoint in one process: a clear error, not a missing-file crash
         with pytest.raises(ValueError, match="written by 2 ranks, this run has 1"):
-            _train_module().train(_compose([o for o in KILL if o != "parallel.cp=2"]
+            train(_compose([o for o in KILL if o != "parallel.cp=2"]
                                            + ["parallel.cp=1", f"trainer.run_dir={run}", "trainer.resume=true"]))
 
 
@@ -185,12 +178,11 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, ds):
 
 
 def test_torn_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
-    mod = _train_module()
     base = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
         "parallel.cp=1", "trainer.max_steps=8", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=4",
     ]
     full = tmp_path / "full"
-    mod.train(_compose(base + [f"trainer.run_dir={full}"]))
+    train(_compose(base + [f"trainer.run_dir={full}"]))
     ckpts = full / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_0000000{s}" for s in (2, 4, 6, 8)]
 
@@ -204,7 +196,7 @@ def test_torn_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     (ck / "step_00000007" / "state.pt").write_bytes(b"partial")
     (ck / ".tmp-step_00000008").mkdir()  # an unfinished write
     with caplog.at_level("INFO"):
-        mod.train(_compose(base + [f"trainer.run_dir={run}", "trainer.resume=true"]))
+        train(_compose(base + [f"trainer.run_dir={run}", "trainer.resume=true"]))
     assert "step_00000006 is incomplete" in caplog.text and "step_00000007 is incomplete" in caplog.text
     ref, got = _metrics(full, "loss"), _metrics(run, "loss")
     assert sorted(got) == list(range(1, 9))

@@ -7,7 +7,7 @@ Public API (to be wired into ``kda_cp.ops.TileLangBackend`` by ops.py):
     chunk_kda_state_grad(q, k, v, g, beta, *, scale, do, cu_seqlens=None, chunk_size=64, g_min=-5.0,
                          prepared=None) -> dh0
 
-Stages (the math is :mod:`kda_cp.kernels.bwd_mirror`, checked in fp64 against autograd):
+Stages (the math is tests/_bwd_mirror.py, checked in fp64 against autograd):
 
 1. W, U, Aqk, eC per chunk from the forward (``prepared``, as chunk_kda's autograd keeps them;
    intra.py's decay kernel remakes Qg, Kd from q, k, g), or all six recomputed by intra.py's
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _check, _kernel_inputs, _prepared_tensors, _tl_name, _validate
 from ._common import build_chunk_tables
+from .launch import check_tensor, kernel_inputs, prepared_tensors, tl_name, validate_inputs
 
 __all__ = ["chunk_kda_bwd", "chunk_kda_state_grad"]
 
@@ -81,7 +81,7 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
     o_t = scale * S_t^T q_t, S_{-1} = initial_state (zero if None), ht = the last state of each
-    sequence. Derivation and stage order: :mod:`kda_cp.kernels.bwd_mirror`.
+    sequence. Derivation and stage order: tests/_bwd_mirror.py.
 
     Args:
         q, k: [B, T, H, K] bf16 or fp16, contiguous. v: [B, T, H, V], same dtype.
@@ -111,13 +111,13 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     from .bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
     from .bwd_state import build_bwd_state_kernel
 
-    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    B, T, H, K, V = validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    _check("do", do, (B, T, H, V), (q.dtype,))
+    check_tensor("do", do, (B, T, H, V), (q.dtype,))
     if initial_state is not None:
-        _check("initial_state", initial_state, (N, H, K, V), (torch.float32,))
+        check_tensor("initial_state", initial_state, (N, H, K, V), (torch.float32,))
     if dht is not None:
-        _check("dht", dht, (N, H, K, V), (torch.float32,))
+        check_tensor("dht", dht, (N, H, K, V), (torch.float32,))
     dev, dtype, C = q.device, q.dtype, chunk_size
     alloc = torch.zeros if cu_seqlens is not None else torch.empty  # zero the tail past the last sequence
 
@@ -138,12 +138,12 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
 
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
     NC = tables.num_chunks
-    dt = _tl_name(dtype)
-    qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+    dt = tl_name(dtype)
+    qf, kf, vf, gf, bf = kernel_inputs(q, k, v, g, beta)
     if prepared is None:
         W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
     else:
-        W, U, Qg, Kd, Aqk, Ec, _ = _prepared_tensors(prepared, "chunk_kda_bwd", q, k, v, g, beta, scale, C,
+        W, U, Qg, Kd, Aqk, Ec, _ = prepared_tensors(prepared, "chunk_kda_bwd", q, k, v, g, beta, scale, C,
                                                      cu_seqlens, consume=True)
         del prepared
 
@@ -209,20 +209,20 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
     """
     from .bwd_state import build_bwd_state_kernel
 
-    B, T, H, K, V = _validate(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    B, T, H, K, V = validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    _check("do", do, (B, T, H, V), (q.dtype,))
+    check_tensor("do", do, (B, T, H, V), (q.dtype,))
     dev, dtype, C = q.device, q.dtype, chunk_size
     zeros = torch.zeros(N, H, K, V, device=dev, dtype=torch.float32)
     if T == 0 or N == 0:
         return zeros
     tables = build_chunk_tables(B, T, cu_seqlens, C, dev)
-    dt = _tl_name(dtype)
+    dt = tl_name(dtype)
     if prepared is None:
-        qf, kf, vf, gf, bf = _kernel_inputs(q, k, v, g, beta)
+        qf, kf, vf, gf, bf = kernel_inputs(q, k, v, g, beta)
         W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
     else:
-        W, U, Qg, Kd, Aqk, Ec, _ = _prepared_tensors(prepared, "chunk_kda_state_grad", q, k, v, g, beta, scale,
+        W, U, Qg, Kd, Aqk, Ec, _ = prepared_tensors(prepared, "chunk_kda_state_grad", q, k, v, g, beta, scale,
                                                      C, cu_seqlens)
     dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)

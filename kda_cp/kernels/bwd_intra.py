@@ -4,7 +4,7 @@ Three chunk-parallel kernels, one thread block per (chunk, head) ("dk": per (chu
 channels), since it is independent per channel), each sized to fit two blocks per SM (<= ~101 KiB
 of shared memory; each capped at 128 registers per thread: "dv" and "ut" at 256 threads, "dk");
 the math and the order are those
-of :mod:`kda_cp.kernels.bwd_mirror` (its docstring is the full derivation). Per chunk, with
+of tests/_bwd_mirror.py (its docstring is the full derivation). Per chunk, with
 q~ = scale * q, gamma = chunk-local cumsum of g, Gamma = exp(gamma), S = state entering the chunk
 and dS' = gradient of the state leaving it (both from bwd_state.py):
 
@@ -38,7 +38,7 @@ outside the sum applied to the fp32 accumulator. dg is a reverse cumsum
 of dgamma, in which the row-side and column-side terms of every pair (i, j) cancel except for the
 pairs that straddle the position; with one bf16 piece the uncancelled rounding alone gives dg a
 relative RMS error of ~6e-2 (the fp64 mirror reproduces it), with two ~1.6e-3, the level of
-dM's own bf16 rounding (bwd_mirror ``dk_pieces``; as accurate as 2xTF32 there). Rows past a sequence end are read as zero and never written. Between
+dM's own bf16 rounding (tests/_bwd_mirror.py ``dk_pieces``; as accurate as 2xTF32 there). Rows past a sequence end are read as zero and never written. Between
 kernels dAqk, dB, dQg, dKd, dGk are stored in bf16 (fp32 range, also for fp16 input), and "ut"
 keeps Gamma * k for dbeta in the input dtype: the fp64 mirror with these roundings moves dq, dk,
 dg by <= 4e-4 and dbeta by <= 2e-5 relative.

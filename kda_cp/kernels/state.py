@@ -481,7 +481,7 @@ def build_summary_kernel(H, K, V, chunk_size, dtype="float32", accum_dtype="floa
 
     One block per (sequence, head, 64 augmented columns): the V + K = 256 columns of a head take 4
     blocks, so B*H = 32 heads fill the H200's 132 SMs in one wave (fewer heads: cut the sequences
-    into pieces, kernels._summary_run). The block carries S^T (64 x K, fp32, in registers) and
+    into pieces, launch.summary_run). The block carries S^T (64 x K, fp32, in registers) and
     computes V'^T = U^T - S^T W^T and S^T <- S^T Diag(eC) + V'^T Kd per chunk.
 
     bf16 inputs with operands="bf16x2" (what CP runs): W and Kd are exact bf16 operands; S^T and

@@ -1,7 +1,7 @@
-"""The 2-D process layout of training: data parallel (dp) x context parallel (cp).
+"""Distributed init and the 2-D process layout of training: data parallel (dp) x context parallel (cp).
 
-Modeled on torchtitan's ``ParallelDims``: the degrees are checked against the world size when the
-object is made, and the named ``DeviceMesh`` (axes "dp", "cp"; cp inner, so ranks
+:class:`ParallelDims` is modeled on torchtitan's: the degrees are checked against the world size
+when the object is made, and the named ``DeviceMesh`` (axes "dp", "cp"; cp inner, so ranks
 ``d * cp .. d * cp + cp - 1`` share one sequence) is built lazily, on first use, from
 ``torch.distributed.device_mesh.init_device_mesh``.
 
@@ -10,16 +10,24 @@ object is made, and the named ``DeviceMesh`` (axes "dp", "cp"; cp inner, so rank
     cp_group = dims.cp_group                   # None when cp == 1 (an unsharded sequence)
 
 Rank r sits at mesh coordinates ``(r // cp, r % cp)`` (:meth:`ParallelDims.coords`).
+:func:`init_distributed` starts torch.distributed from torchrun's environment and returns this
+process's :class:`Layout`; :func:`broadcast_object` and :func:`agree` are the trainer's collectives
+for decisions made on one rank or errors met on some.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelDims"]
+from kda_cp.train.config import ParallelConfig
+
+__all__ = ["ParallelDims", "Layout", "build_layout", "init_distributed", "broadcast_object", "agree"]
 
 
 def _set_timeout(group, timeout: timedelta) -> None:
@@ -135,3 +143,81 @@ class ParallelDims:
         """A process group over the whole dp x cp mesh (for reductions of replicated parameters'
         gradients and of the loss: both span dp and cp), made by :meth:`build_mesh`; None before."""
         return self._dp_cp_group
+
+
+@dataclass
+class Layout:
+    """This process's place in the dp x cp world (cp inner)."""
+
+    rank: int
+    world_size: int
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+    cp_group: object
+    device: torch.device
+    dims: ParallelDims | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def build_layout(world_size: int, rank: int, cp: int, device: torch.device, dims: ParallelDims | None = None) -> Layout:
+    """dp x cp layout of ``world_size`` ranks; ValueError unless cp >= 1 divides world_size."""
+    dims = dims or ParallelDims.from_cp(world_size, cp)
+    dp_rank, cp_rank = dims.coords(rank)
+    return Layout(rank, world_size, dims.dp, dims.cp, dp_rank, cp_rank, dims.cp_group, device, dims)
+
+
+def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
+    """Initialize torch.distributed from torchrun's environment (or run as one process without it)
+    and build the ("dp", "cp") DeviceMesh. ``need_group``: one process without torchrun still gets
+    a process group of one rank and the mesh (DeepSpeed needs them)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("parallel.device=cuda, but this torch build or machine has no CUDA device "
+                         "(parallel.device=auto picks the CPU here)")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    torch.set_num_threads(threads)
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dims = ParallelDims.from_cp(world_size, cfg.cp)  # ValueError before any process group exists
+    if world_size == 1 and not dist.is_initialized() and not need_group:
+        return build_layout(1, 0, cfg.cp, device, dims)
+    if not dist.is_initialized():
+        backend = cfg.backend or ("nccl" if use_cuda else "gloo")
+        if "MASTER_ADDR" not in os.environ:  # one process, no launcher: the environment torchrun would set
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+                os.environ.setdefault(key, value)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    dims = ParallelDims.from_cp(dist.get_world_size(), cfg.cp)
+    dims.build_mesh(device.type, timeout=timedelta(seconds=cfg.timeout_s))
+    return build_layout(dims.world_size, dist.get_rank(), cfg.cp, device, dims)
+
+
+def broadcast_object(obj, layout: Layout):
+    """Collective: rank 0's ``obj`` on every rank (``obj`` itself when not distributed)."""
+    if not layout.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree(error: str | None, layout: Layout) -> str | None:
+    """Collective: the first rank's error message (by rank), or None when no rank has one."""
+    if not layout.distributed:
+        return error
+    box = [None] * layout.world_size
+    dist.all_gather_object(box, error)
+    return next((e for e in box if e is not None), None)

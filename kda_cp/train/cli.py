@@ -1,0 +1,131 @@
+"""The command line of training (scripts/train.py): Hydra composition of conf/, ``--help``,
+``--cfg``, and errors as one line on stderr with exit status 1 (``KDA_CP_DEBUG=1`` re-raises)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from kda_cp.checkpoint import CheckpointWriteError
+from kda_cp.train.config import ConfigError, TrainConfig, one_line, to_train_config
+from kda_cp.train.trainer import train
+
+__all__ = ["CONF_DIR", "USAGE", "help_text", "compose_config", "main"]
+
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
+
+USAGE = """\
+usage: [torchrun --nproc_per_node=N] python scripts/train.py [--help] [--cfg] [KEY=VALUE | GROUP=OPTION ...]
+
+Train a KDA (Kimi Delta Attention) byte-level language model with the sequence sharded over the
+ranks of torchrun (context parallelism), the rest of the world data-parallel. Without torchrun it
+runs as one process. Arguments are Hydra overrides of the config in conf/; a key that the config
+does not declare is an error, also with a leading '+'.
+
+Config groups (GROUP=OPTION picks a file of conf/GROUP/):
+{groups}
+
+Keys and their defaults:
+{keys}
+
+Common overrides:
+  parallel.cp=N                  ranks per sequence (divides the world size; the rest is data-parallel)
+  trainer.max_steps=N            optimizer steps; data.seq_len=N, data.batch_size=N (global, in sequences)
+  data.path=FILE_OR_DIR          train on other text (default: the Python standard library's sources)
+  model.layer_pattern=KKKA model.n_layers=4    the 3:1 KDA / attention hybrid (n_layers a multiple)
+  deepspeed=zero1|zero2|zero3    DeepSpeed ZeRO; parallel.strategy=ulysses: head-parallel all-to-all
+  trainer.run_dir=DIR trainer.checkpoint_every=N   where outputs go, checkpoint cadence
+  trainer.run_dir=DIR trainer.resume=true         continue a run from its newest valid checkpoint
+  +experiment=h200_hybrid_64k    the one-H200 hybrid at 64k context
+
+Options:
+  --help, -h    this text
+  --cfg         print the composed config and exit
+
+Outputs: <run_dir>/config.yaml, metrics.jsonl, checkpoints/step_N/, summary.json, loss.png.
+Errors print one line on stderr (from rank 0 when every rank has the same error) and exit with
+status 1; set KDA_CP_DEBUG=1 for the Python traceback.
+"""
+
+
+def help_text() -> str:
+    """USAGE with the config groups of conf/ and every schema key with its default."""
+    groups = []
+    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in d.glob("*.yaml"))
+        prefix = "+" if d.name == "experiment" else ""
+        groups.append(f"  {prefix}{d.name}: {' | '.join(options)}")
+    keys = []
+    for f in dataclasses.fields(TrainConfig):
+        schema = f.default_factory()
+        items = " ".join(f"{x.name}={getattr(schema, x.name)!r}".replace("'", "") for x in dataclasses.fields(schema))
+        keys.append(f"  {f.name}: {items}")
+    keys = ["\n".join(textwrap.wrap(k, 100, subsequent_indent="      ")) for k in keys]
+    return USAGE.format(groups="\n".join(groups), keys="\n".join(keys))
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides (the command line's KEY=VALUE arguments).
+
+    Raises:
+        ConfigError: an override Hydra cannot parse or apply (the message is Hydra's, on one line).
+    """
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
+            return compose(config_name="config", overrides=list(overrides))
+    except Exception as exc:
+        raise ConfigError(one_line(exc)) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see USAGE); returns the exit status: 0, or 1 after printing one error line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    debug = os.environ.get("KDA_CP_DEBUG", "") not in ("", "0")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    status = 0
+    try:
+        show = "--cfg" in argv
+        cfg = compose_config([a for a in argv if a != "--cfg"])
+        if show:
+            to_train_config(cfg)
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        summary = train(cfg)
+        if rank == 0:
+            print(
+                f"validation loss {summary['val_loss']:.4f} nats/byte | "
+                f"corpus unigram entropy {summary['unigram_entropy']:.4f} nats/byte"
+            )
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down while another's collectives are still in flight
+    except Exception as exc:
+        if debug:
+            raise
+        # Raised alike on every rank: rank 0 reports it. Anything else may be one rank's own.
+        shared = isinstance(exc, (ConfigError, CheckpointWriteError, FloatingPointError))
+        if rank == 0 or not shared:
+            who = "" if shared or world == 1 else f"rank {rank}: "
+            name = "" if isinstance(exc, (ConfigError, CheckpointWriteError)) else f"{type(exc).__name__}: "
+            print(f"error: {who}{name}{one_line(exc)}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return status

@@ -1,0 +1,389 @@
+"""The training loop: :class:`Trainer` builds a run from a TrainConfig (layout, corpus, model,
+engine, checkpoints, resume), then steps, evaluates and checkpoints it; :func:`train` runs one.
+
+Loss: the mean over every token of the global batch, i.e. sum of token losses / (batch_size *
+seq_len), reduced over dp x cp; each rank back-propagates its share and the gradients are summed
+over all ranks. So the CP degree changes the speed, not the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from kda_cp.checkpoint import CheckpointManager
+from kda_cp.data import ByteCorpus, unigram_entropy
+from kda_cp.model import KDALanguageModel, train_flops_per_token
+from kda_cp.train.config import ConfigError, TrainConfig, TrainerConfig, drift_message, one_line, to_train_config
+from kda_cp.train.distributed import Layout, agree, broadcast_object, init_distributed
+from kda_cp.train.engine import build_engine
+from kda_cp.train.metrics import MetricsLog, peak_memory_bytes, plot_losses
+from kda_cp.train.optim import build_optimizer, build_scheduler
+
+__all__ = ["Trainer", "train"]
+
+logger = logging.getLogger("kda_cp.train")
+
+
+def _autocast(device: torch.device, precision: str):
+    """bf16 autocast on CUDA (trainer.precision auto or bf16); fp32 otherwise."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if not bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
+    """The run directory (chosen on rank 0, broadcast), not yet created: :meth:`Trainer.fit` makes
+    it just before the first step, so a run that fails earlier leaves nothing behind. A fresh run
+    (trainer.resume=false) refuses a directory that already holds a run's checkpoints or metrics,
+    which it would overwrite.
+
+    Raises:
+        ConfigError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
+    """
+    run_dir, error = cfg.run_dir, ""
+    if layout.rank == 0:
+        if run_dir is None:  # unique even when two runs start within the same second
+            stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+            run_dir, n = stamp, 0
+            while Path(run_dir).exists():
+                n += 1
+                run_dir = f"{stamp}-{n}"
+        elif Path(run_dir).exists() and not Path(run_dir).is_dir():
+            error = f"trainer.run_dir must be a directory (or not exist yet), not a file: {run_dir}"
+        elif not cfg.resume:
+            ckpt_dir, metrics = Path(run_dir) / "checkpoints", Path(run_dir) / "metrics.jsonl"
+            if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
+                error = (f"trainer.run_dir={run_dir} already holds a run (checkpoints or metrics.jsonl) that a fresh "
+                         "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
+    run_dir, error = broadcast_object((run_dir, error), layout)
+    if error:
+        raise ConfigError(error)
+    return Path(run_dir)
+
+
+class Trainer:
+    """One training run. Building it (collective) checks the config, initializes torch.distributed
+    and the dp x cp mesh, loads the corpus, picks the run directory, builds model, optimizer,
+    scheduler and engine (identical weights on every rank), and with trainer.resume=true loads the
+    newest valid checkpoint. Nothing is written before :meth:`fit`.
+
+    Args:
+        cfg: a TrainConfig, or a DictConfig of its schema (checked by :func:`to_train_config`).
+
+    Raises:
+        ConfigError (a ValueError), on every rank: an unknown key or bad value, parallel.cp does
+            not divide the world size, an unreadable data.path, trainer.resume without
+            trainer.run_dir or without a valid checkpoint, a config that drifted from the
+            checkpoint's, a fresh run in a run directory that holds another run.
+    """
+
+    def __init__(self, cfg: TrainConfig | DictConfig) -> None:
+        cfg = to_train_config(cfg)
+        if cfg.trainer.resume and cfg.trainer.run_dir is None:
+            raise ConfigError("trainer.resume=true needs trainer.run_dir (the run to continue)")
+        self.cfg = cfg
+        self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
+        try:
+            layout = init_distributed(cfg.parallel, need_group=cfg.deepspeed.enabled)
+        except ValueError as exc:  # parallel.cp and the world size, parallel.device=cuda without CUDA
+            raise ConfigError(str(exc)) from exc
+        if layout.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        if cfg.data.batch_size % layout.dp:
+            raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be divisible by the data-parallel degree "
+                              f"dp = world size {layout.world_size} / parallel.cp {layout.cp} = {layout.dp}")
+        self.layout, self.is_main = layout, layout.rank == 0
+        try:
+            self.corpus = ByteCorpus(cfg.data)
+        except (OSError, ValueError) as exc:  # the same files on every rank: the same error everywhere
+            raise ConfigError(one_line(exc) if "data." in str(exc) else f"data.path={cfg.data.path!r}: {one_line(exc)}") from exc
+        self.run_dir = _resolve_run_dir(cfg.trainer, layout)
+        self.entropy = unigram_entropy(self.corpus.data)
+        torch.manual_seed(cfg.trainer.seed)
+        model = KDALanguageModel(cfg.model).to(layout.device)
+        if layout.distributed:  # identical init everywhere, whatever the RNG did
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        self.n_params = model.num_params()
+        self.flops_per_token = train_flops_per_token(model, cfg.data.seq_len)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+        self.engine = build_engine(model, optimizer, scheduler, layout, cfg.deepspeed,
+                                   micro_batch=cfg.data.batch_size // layout.dp, grad_clip=cfg.optim.grad_clip)
+        barrier = dist.barrier if layout.distributed else (lambda: None)
+        self.ckpts = CheckpointManager(self.run_dir, layout.rank, barrier, keep=cfg.trainer.keep_checkpoints,
+                                       agree=lambda error: agree(error, layout))
+        self.global_tokens = cfg.data.batch_size * cfg.data.seq_len
+        self.n_gpus = layout.world_size if layout.device.type == "cuda" else 0
+        self.train_time, self.tok_rates, self.mfus = 0.0, [], []
+        self.start_step = self.resume() if cfg.trainer.resume else 0
+
+    def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Sum of this rank's token losses on inputs ``x`` and targets ``y`` ([b, T / cp] bytes), fp32."""
+        layout, par = self.layout, self.cfg.parallel
+        with _autocast(layout.device, self.cfg.trainer.precision):
+            logits = self.engine(x.to(layout.device), cp_group=layout.cp_group, cp_strategy=par.strategy,
+                                 ulysses_impl=par.ulysses_impl)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.to(layout.device).flatten(), reduction="sum")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/byte) over the fixed validation batches, reduced over all ranks."""
+        layout = self.layout
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=layout.device)
+        for i in range(self.corpus.num_val_batches()):
+            x, y = self.corpus.val_batch(i, layout.dp_rank, layout.dp, layout.cp_rank, layout.cp)
+            total[0] += self.loss_sum(x, y).double()
+            total[1] += y.numel()
+        if layout.distributed:
+            dist.all_reduce(total)
+        self.engine.train()
+        return float(total[0] / total[1])
+
+    def step(self, step: int) -> dict:
+        """Optimizer step ``step`` (0-based) on its global batch; returns its metrics record.
+
+        Raises:
+            FloatingPointError: the loss is NaN/Inf (on every rank at the same step).
+        """
+        layout, engine = self.layout, self.engine
+        t0 = time.perf_counter()
+        x, y = self.corpus.train_batch(step, layout.dp_rank, layout.dp, layout.cp_rank, layout.cp)
+        loss_sum = self.loss_sum(x, y)
+        engine.backward(loss_sum / self.global_tokens)
+        loss = engine.reduce(loss_sum) / self.global_tokens
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+        lr = engine.lr
+        grad_norm = engine.step()
+        if layout.device.type == "cuda":
+            torch.cuda.synchronize(layout.device)
+        dt = time.perf_counter() - t0
+        self.train_time += dt
+        tok_s = self.global_tokens / dt
+        entry = {"step": step + 1, "loss": loss, "tokens_per_s": tok_s, "lr": lr, "grad_norm": grad_norm}
+        if self.n_gpus:
+            entry["mfu"] = tok_s * self.flops_per_token / (self.n_gpus * self.cfg.trainer.peak_tflops * 1e12)
+            self.mfus.append(entry["mfu"])
+        self.tok_rates.append(tok_s)
+        return entry
+
+    def save_checkpoint(self, step: int) -> None:
+        """Collective: the checkpoint of ``step`` (engine state, config, every rank's RNG state), atomic.
+
+        Raises:
+            CheckpointWriteError: writing failed on some rank (e.g. a full disk), on every rank.
+        """
+        cfg, layout = self.cfg, self.layout
+
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp, {"step": step, "config": asdict(cfg)})
+            if self.is_main:  # read on resume before the weights, to refuse a changed config
+                (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+            torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
+
+        self.ckpts.save(step, write)
+
+    def resume(self) -> int:
+        """Collective: load the newest checkpoint that verifies and loads on every rank; returns its step.
+
+        A checkpoint that fails verification (rank 0: sizes and sha256) or fails to load on any rank
+        (missing file, failed unpickle, ...) is skipped with a warning naming the reason, and the one
+        before it is tried.
+
+        Raises:
+            ConfigError: on every rank: no valid checkpoint (nothing in the run directory is changed),
+                a checkpoint past trainer.max_steps or of another world size, or a config that differs
+                from the checkpoint's in keys that change the computation.
+        """
+        cfg, layout, ckpts = self.cfg, self.layout, self.ckpts
+        before, skipped = None, []
+        while True:
+            found, why = None, ""
+            if layout.rank == 0:
+                found = ckpts.latest(before)
+                skipped += ckpts.skipped
+                if found is not None:
+                    saved_ranks = len(list(found.path.glob("rng_rank*.pt")))
+                    if found.step > cfg.trainer.max_steps:
+                        why = (f"trainer.resume: the newest checkpoint {found.path} is at step {found.step}, past "
+                               f"trainer.max_steps={cfg.trainer.max_steps}: raise max_steps to continue it")
+                    elif saved_ranks != layout.world_size:
+                        why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
+                               f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
+                    elif (found.path / "config.json").is_file():  # checked before loading: a new shape would not load
+                        why = drift_message(found.path, json.loads((found.path / "config.json").read_text()), cfg)
+            found, why, skipped = broadcast_object((found, why, skipped), layout)
+            if why:
+                raise ConfigError(why)
+            if found is None:
+                detail = "; ".join(skipped) if skipped else "no checkpoint was written"
+                raise ConfigError(f"trainer.resume=true: no valid checkpoint in {ckpts.root} ({detail}); nothing was "
+                                  "changed. Restore a checkpoint, or start a fresh run with a new trainer.run_dir")
+            error = None
+            try:
+                client = self.engine.load(found.path)
+                rng = torch.load(found.path / f"rng_rank{layout.rank}.pt", weights_only=False)
+            except Exception as exc:
+                error = f"{found.path.name}: rank {layout.rank}: {type(exc).__name__}: {one_line(exc)}"
+            error = agree(error, layout)
+            if error is None:
+                break
+            if layout.rank == 0:
+                logger.warning("checkpoint %s could not be loaded (%s): using an earlier one", found.path, error)
+            skipped.append(error)
+            before = found.step
+        why = drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
+        if why:
+            raise ConfigError(why)
+        _set_rng_state(rng, layout.device)
+        if layout.rank == 0:
+            logger.info("resumed from %s at step %d", found.path, int(client["step"]))
+        return int(client["step"])
+
+    def fit(self) -> dict:
+        """Collective: train from the start (or resumed) step to trainer.max_steps, evaluating and
+        checkpointing on the configured cadence, then at the end; returns the summary dict (also
+        written to summary.json on rank 0). A failure before the first step removes the run
+        directory this call made.
+
+        Raises:
+            CheckpointWriteError: writing a checkpoint failed (e.g. a full disk), on every rank.
+            FloatingPointError: the loss became NaN/Inf (on every rank at the same step).
+        """
+        cfg, layout, run_dir, is_main = self.cfg, self.layout, self.run_dir, self.is_main
+        start_step, entropy = self.start_step, self.entropy
+        created = is_main and not run_dir.exists()
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            logger.info(
+                "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
+                run_dir, layout.world_size, layout.dp, layout.cp, layout.device, cfg.parallel.strategy,
+                f"DeepSpeed ZeRO-{cfg.deepspeed.stage}" if cfg.deepspeed.enabled else "torch data parallel",
+            )
+            logger.info(
+                "model: %d parameters, %.3g training FLOPs/token; corpus unigram entropy %.4f nats/byte",
+                self.n_params, self.flops_per_token, entropy,
+            )
+        metrics = MetricsLog(run_dir / "metrics.jsonl", is_main, start_step)
+        val_loss = float("nan")
+        bar = tqdm(
+            total=cfg.trainer.max_steps,
+            initial=start_step,
+            disable=not (is_main and cfg.trainer.progress),
+            dynamic_ncols=True,
+            desc="train",
+        )
+        self.engine.train()
+        try:
+            for step in range(start_step, cfg.trainer.max_steps):
+                entry = self.step(step)
+                metrics.record(entry)
+                created = False  # a step is recorded: the run directory stays whatever happens next
+                loss, tok_s, lr = entry["loss"], entry["tokens_per_s"], entry["lr"]
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}",
+                                **({"mfu": f"{entry['mfu']:.1%}"} if self.n_gpus else {}))
+                bar.update(1)
+                done = step + 1
+                if is_main and (done % cfg.trainer.log_every == 0 or done == 1):
+                    logger.info("step %d loss %.4f tokens/s %.0f lr %.2e", done, loss, tok_s, lr)
+                if cfg.trainer.val_every and done % cfg.trainer.val_every == 0 and done < cfg.trainer.max_steps:
+                    val_loss = self.evaluate()
+                    metrics.record({"step": done, "val_loss": val_loss})
+                    if is_main:
+                        logger.info("step %d val_loss %.4f (unigram entropy %.4f)", done, val_loss, entropy)
+                if cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0 and done < cfg.trainer.max_steps:
+                    self.save_checkpoint(done)
+            bar.close()
+            val_loss = self.evaluate()
+            metrics.record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
+            self.save_checkpoint(cfg.trainer.max_steps)
+        except BaseException:
+            metrics.close()
+            if created:  # failed before its first step: leave no empty run directory behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        finally:
+            bar.close()
+            metrics.close()
+
+        peak = torch.tensor([peak_memory_bytes(layout.device)], dtype=torch.float64, device=layout.device)
+        if layout.distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        summary = {
+            "val_loss": val_loss,
+            "unigram_entropy": entropy,
+            "steps": cfg.trainer.max_steps,
+            "start_step": start_step,  # > 0 after a resume; tokens, times and rates count this invocation only
+            "tokens": self.global_tokens * (cfg.trainer.max_steps - start_step),
+            "train_time_s": self.train_time,
+            "wall_time_s": time.perf_counter() - self.t_start,
+            "cpu_time_s_rank0": time.process_time() - self.cpu_start,
+            "median_tokens_per_s": float(np.median(self.tok_rates)) if self.tok_rates else float("nan"),
+            "median_mfu": float(np.median(self.mfus)) if self.mfus else None,
+            "train_flops_per_token": self.flops_per_token,
+            "peak_memory_gib": float(peak) / 2**30,
+            "peak_memory_kind": "cuda max_memory_allocated" if layout.device.type == "cuda" else "max RSS",
+            "world_size": layout.world_size,
+            "dp": layout.dp,
+            "cp": layout.cp,
+            "strategy": cfg.parallel.strategy,
+            "zero_stage": cfg.deepspeed.stage,
+            "params": self.n_params,
+            "run_dir": str(run_dir),
+        }
+        if is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if cfg.trainer.plot:
+                plot_losses(run_dir, metrics.history, entropy)
+            logger.info(
+                "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (steps %d-%d in %.0f s) | "
+                "median %.0f tokens/s%s | peak memory %.2f GiB (%s)",
+                val_loss, entropy, start_step + 1, cfg.trainer.max_steps, summary["wall_time_s"],
+                summary["median_tokens_per_s"], f", MFU {summary['median_mfu']:.1%}" if self.mfus else "",
+                summary["peak_memory_gib"], summary["peak_memory_kind"],
+            )
+        return summary
+
+
+def train(cfg: TrainConfig | DictConfig) -> dict:
+    """Build a :class:`Trainer` and run it; returns the summary dict (see :meth:`Trainer.fit`).
+
+    Raises:
+        ConfigError, CheckpointWriteError, FloatingPointError: as :class:`Trainer` and :meth:`Trainer.fit`.
+    """
+    return Trainer(cfg).fit()
