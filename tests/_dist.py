@@ -100,6 +100,17 @@ def _worker(rank, world_size, port, fn, args, queue, backend, timeout_s):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 2 * TIMEOUT_S, backend: str = "gloo") -> list:
+    """:func:`_run_ranks_once`, started once more on a new port when another process took the
+    free port between choosing it and rank 0's listen (EADDRINUSE)."""
+    try:
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, backend=backend)
+    except RuntimeError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, backend=backend)
+
+
+def _run_ranks_once(fn, world_size: int, *args, timeout: float = 2 * TIMEOUT_S, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs).
