@@ -225,3 +225,15 @@ def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
     come after a barrier and a proxy fence that follow the last store into what it reads."""
     assert_async_mma_order(async_mma_events(build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands)
                                             .get_kernel_source(), "for (int c = 0; c < nc; ++c) {"))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_conv_glue_kernels_compile(backward):
+    """The layer's conv + SiLU + L2Norm kernels (kda_cp.kernels.conv) build for q (normed) and v,
+    reading x rows inside a wider buffer (row stride 784 > 768 channels)."""
+    from kda_cp.kernels.conv import build_conv_kernel
+
+    for part in (0, 2):
+        src = build_conv_kernel(768, 784, 2, 128, 4, part, "bfloat16", "bfloat16", 1e-6,
+                                backward=backward).get_kernel_source()
+        assert "__global__" in src

@@ -1,0 +1,300 @@
+"""The layer's short conv + SiLU + L2Norm of q and k, forward and backward, as TileLang kernels.
+
+For stacked channels c of q | k | v (C = 2*H*K + H*V, here V == K) and tokens t of a sequence:
+
+    pre[t, c] = sum_{l < W} w[c, W-1-l] * x[t - l, c]      tap l reads zero when l > lags[t]
+    y[t, c]   = SiLU(pre[t, c])
+    q, k      = y / max(||y||_2, eps) per head over K channels;  v = y
+
+x before the shard (t < 0) is the halo (the CP neighbour's last W-1 rows, or zeros). A thread
+block owns the channels of one head, so the L2 norm is a row reduction in registers, and walks a
+share of the token tiles; one launch per part (q, k, v). The forward writes q, k, v contiguous;
+the backward recomputes pre from x (nothing else is kept), applies the norm's and SiLU's backward,
+and writes dx, the halo gradient and per-block partial weight gradients (summed on the host side,
+so the weight gradient is deterministic). docs/design.md §9 has the math, docs/kernels.md the
+launch and its state.
+"""
+import functools
+
+import torch
+import tilelang.language as T
+
+from ._common import compile_kernel, tl_dtype
+
+__all__ = ["conv_silu_norm_fwd", "conv_silu_norm_bwd", "conv_supported", "build_conv_kernel"]
+
+#: Rows of one register tile (the recompute tile of the backward, the output tile of the forward).
+TILE = 64
+
+
+def _taps(W, valid, term):
+    """sum over l < W of term(l) where valid(l), as one expression (built in Python, unrolled)."""
+    acc = T.if_then_else(valid(0), term(0), T.float32(0))
+    for l in range(1, W):
+        acc = acc + T.if_then_else(valid(l), term(l), T.float32(0))
+    return acc
+
+
+def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
+    """One launch covers the H heads of one part (0: q, 1: k, 2: v; q and k are L2-normed)."""
+    f32 = "float32"
+    R = TILE  # rows loaded and recomputed per tile
+    BO = TILE if not backward else TILE - (W - 1)  # rows written per tile (dx row i needs dpre at i .. i+W-1)
+    P = W - 1
+    G = 4  # row groups of the weight-gradient partial sums
+    RG = R // G
+    TT = T.dynamic("TT")
+    Tn = T.dynamic("Tn")
+    B = T.dynamic("B")
+    S = T.dynamic("S")  # blocks along the tokens; each walks a contiguous share of the tiles
+    norm = part < 2
+    cbase = part * H * K
+
+    @T.macro
+    def load_tile(X, Halo, Lags, b, t0, c0, xs, lg, lo):
+        # xs row r + W-1 holds x at tile row r: W-1 rows before the tile (earlier tokens or the
+        # halo), then the tile's R rows (rows past the end read as zero)
+        T.copy(X[b * Tn + t0 : b * Tn + t0 + R, c0 : c0 + K], xs[W - 1 : W - 1 + R, :])
+        for i, j in T.Parallel(W - 1, K):
+            t = t0 - (W - 1) + i
+            xs[i, j] = T.if_then_else(t < 0, Halo[b, W - 1 + t, c0 + j], X[b * Tn + t, c0 + j])
+        for i in T.Parallel(R):
+            lg[lo + i] = T.if_then_else(t0 + i < Tn, Lags[t0 + i], -1)
+
+    def xval(xs, r, j):  # x at tile row r >= -(W-1)
+        return T.cast(xs[r + W - 1, j], f32)
+
+    if not backward:
+        @T.prim_func
+        def kda_conv_fwd(
+            X: T.Tensor([TT, CS], dtype),
+            Wt: T.Tensor([W, C], f32),
+            Halo: T.Tensor([B, W - 1, C], dtype),
+            Lags: T.Tensor([Tn], "int32"),
+            Y: T.Tensor([TT, H, K], dtype),
+            Split: T.Tensor([S], "int32"),
+        ):
+            with T.Kernel(S, H, B, threads=threads) as (sp, h, b):
+                c0 = cbase + h * K
+                xs = T.alloc_shared([R + W - 1, K], dtype)
+                ws = T.alloc_shared([W, K], f32)
+                lg = T.alloc_shared([R], "int32")
+                y = T.alloc_fragment([R, K], f32)
+                sq = T.alloc_fragment([R, K], f32)
+                rs = T.alloc_fragment([R], f32)
+                for u, j in T.Parallel(W, K):
+                    ws[u, j] = Wt[u, c0 + j]
+                ntile = T.ceildiv(Tn, R)
+                nper = T.ceildiv(ntile, S)
+                cnt = T.max(T.min(nper, ntile - sp * nper), 0)
+                for it in T.serial(cnt):
+                    t0 = (sp * nper + it) * R
+                    load_tile(X, Halo, Lags, b, t0, c0, xs, lg, 0)
+                    for i, j in T.Parallel(R, K):
+                        pre = _taps(W, lambda lag: lg[i] >= lag,
+                                    lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
+                        y[i, j] = pre / (T.float32(1) + T.exp(-pre))
+                        sq[i, j] = y[i, j] * y[i, j]
+                    if norm:
+                        T.reduce_sum(sq, rs, dim=1)
+                        for i in T.Parallel(R):
+                            rs[i] = T.float32(1) / T.max(T.sqrt(rs[i]), T.float32(eps))
+                        for i, j in T.Parallel(R, K):
+                            y[i, j] = y[i, j] * rs[i]
+                    for i, j in T.Parallel(R, K):
+                        if t0 + i < Tn:
+                            Y[b * Tn + t0 + i, h, j] = T.cast(y[i, j], dtype)
+
+        return kda_conv_fwd
+
+    @T.prim_func
+    def kda_conv_bwd(
+        X: T.Tensor([TT, CS], dtype),
+        Wt: T.Tensor([W, C], f32),
+        Halo: T.Tensor([B, W - 1, C], dtype),
+        Lags: T.Tensor([Tn], "int32"),
+        DY: T.Tensor([TT, H, K], dtype),
+        DX: T.Tensor([TT, C], dtype),
+        DHalo: T.Tensor([B, W - 1, C], hdtype),
+        DWp: T.Tensor([S, B, G * W, C], f32),
+    ):
+        with T.Kernel(S, H, B, threads=threads) as (sp, h, b):
+            c0 = cbase + h * K
+            xs = T.alloc_shared([R + W - 1, K], dtype)
+            dns = T.alloc_shared([R, K], dtype)
+            ws = T.alloc_shared([W, K], f32)
+            # lags and dL/dpre of tile row r at r + P, rows outside the tile -1 and 0 (every index >= 0)
+            lg = T.alloc_shared([R + 2 * P], "int32")
+            dps = T.alloc_shared([R + 2 * P, K], f32)
+            pre = T.alloc_fragment([R, K], f32)
+            tmp = T.alloc_fragment([R, K], f32)
+            nrm = T.alloc_fragment([R], f32)
+            prj = T.alloc_fragment([R], f32)
+            dwa = T.alloc_fragment([G * W, K], f32)  # row (u, g): tap W-1-u, rows g*RG .. of each tile
+            for u, j in T.Parallel(W, K):
+                ws[u, j] = Wt[u, c0 + j]
+            T.clear(dwa)
+            for i, j in T.Parallel(R + 2 * P, K):
+                dps[i, j] = T.float32(0)
+            for i in T.Parallel(R + 2 * P):
+                lg[i] = -1
+            ntile = T.ceildiv(Tn, BO)
+            nper = T.ceildiv(ntile, S)
+            cnt = T.max(T.min(nper, ntile - sp * nper), 0)
+            for it in T.serial(cnt):
+                t0 = (sp * nper + it) * BO
+                load_tile(X, Halo, Lags, b, t0, c0, xs, lg, P)
+                T.copy(DY[b * Tn + t0 : b * Tn + t0 + R, h, :], dns)
+                for i, j in T.Parallel(R, K):
+                    pre[i, j] = _taps(W, lambda lag: lg[P + i] >= lag,
+                                      lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
+                if norm:  # L2Norm backward of n = y / max(||y||, eps), y = SiLU(pre)
+                    for i, j in T.Parallel(R, K):
+                        tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j]))
+                        tmp[i, j] = tmp[i, j] * tmp[i, j]
+                    T.reduce_sum(tmp, nrm, dim=1)
+                    for i, j in T.Parallel(R, K):
+                        tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j])) * T.cast(dns[i, j], f32)
+                    T.reduce_sum(tmp, prj, dim=1)  # y . dn
+                    for i in T.Parallel(R):
+                        # n . dn / ||y|| where ||y|| > eps (else the norm is y / eps, linear); 1 / max(||y||, eps)
+                        nrm[i] = T.sqrt(nrm[i])
+                        prj[i] = T.if_then_else(nrm[i] > eps, prj[i] / (nrm[i] * nrm[i]), T.float32(0))
+                        nrm[i] = T.float32(1) / T.max(nrm[i], T.float32(eps))
+                for i, j in T.Parallel(R, K):
+                    sg = T.float32(1) / (T.float32(1) + T.exp(-pre[i, j]))
+                    if norm:
+                        dy = (T.cast(dns[i, j], f32) - pre[i, j] * sg * prj[i]) * nrm[i]
+                    else:
+                        dy = T.cast(dns[i, j], f32)
+                    dps[P + i, j] = T.if_then_else(lg[P + i] >= 0, dy * sg * (T.float32(1) + pre[i, j] * (T.float32(1) - sg)),
+                                               T.float32(0))
+                for i, j in T.Parallel(R, K):
+                    if (i < BO) & (t0 + i < Tn):
+                        DX[b * Tn + t0 + i, c0 + j] = T.cast(
+                            _taps(W, lambda lag: lg[P + i + lag] >= lag,
+                                  lambda lag: dps[P + i + lag, j] * ws[W - 1 - lag, j]),
+                            dtype)
+                if t0 == 0:  # the halo rows t = i - (W-1) < 0
+                    for i, j in T.Parallel(W - 1, K):
+                        DHalo[b, i, c0 + j] = T.cast(
+                            _taps(W, lambda lag: lg[i + lag] >= lag, lambda lag: dps[i + lag, j] * ws[W - 1 - lag, j]),
+                            hdtype)
+                # weight gradient of tap W-1-u: sum over rows r < BO of dpre[r] x[r - u], in G row groups
+                for ug, j in T.Parallel(G * W, K):
+                    dwa[ug, j] = dwa[ug, j] + _taps(
+                        RG, lambda r: ((ug % G) * RG + r < BO) & (lg[P + (ug % G) * RG + r] >= ug // G),
+                        lambda r: dps[P + (ug % G) * RG + r, j] * xval(xs, (ug % G) * RG + r - ug // G, j))
+            for ug, j in T.Parallel(G * W, K):
+                DWp[sp, b, ug, c0 + j] = dwa[ug, j]
+
+    return kda_conv_bwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, threads=None):
+    """Compile the forward or the backward of one part (0: q, 1: k, 2: v); T, B and the token
+    split S dynamic. CS >= C is X's row stride (X may be the first C columns of a wider buffer).
+
+    Forward: kernel(X[B*T, CS], Wt[W, C] f32 (tap-major: Wt[j] = weight[:, j]), Halo[B, W-1, C],
+    Lags[T] i32, Y[B*T, H, K], Split[S] (only its length is read)).
+    Backward: kernel(X, Wt, Halo, Lags, dY[B*T, H, K], dX[B*T, C] (this part's columns written),
+    dHalo[B, W-1, C] (halo_dtype; written by the blocks of the first tile), dWp[S, B, W*4, C] f32:
+    partial weight gradients, row u*4+g holding tap W-1-u of row group g, summed by the caller).
+    """
+    if threads is None:
+        threads = 512 if backward else 256
+    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, backward),
+                          name="conv_bwd" if backward else "conv_fwd")
+
+
+def conv_supported(x, weight, splits, head_dim) -> tuple[bool, str]:
+    """Whether the kernels cover this call: CUDA Hopper, x bf16/fp16 [B, T, C] with unit channel
+    stride, q, k and v heads all of ``head_dim`` channels (64 or 128), tilelang importable."""
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9):
+        return False, "not a Hopper (sm_90) CUDA tensor"
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 3 or x.stride(-1) != 1:
+        return False, f"x must be bf16/fp16 [B, T, C] with unit channel stride, got {x.dtype} {tuple(x.shape)}"
+    if len(set(splits)) != 1 or head_dim not in (64, 128) or splits[0] % head_dim or weight is None:
+        return False, f"splits {splits} with head_dim {head_dim}: need H*K == H*V, K in (64, 128), a conv weight"
+    return True, ""
+
+
+def _rows(x):
+    """x [B, T, C] as the [B*T, CS] rows the kernels read (CS = row stride; no copy when the rows
+    are the first C columns of a wider contiguous buffer, as the fused projection's split views)."""
+    B, T, C = x.shape
+    CS = x.stride(1)
+    if CS >= C and (B == 1 or x.stride(0) == T * CS):
+        try:
+            return x.as_strided((B * T, CS), (CS, 1)), CS
+        except RuntimeError:  # the last row's tail lies outside the storage
+            pass
+    return x.reshape(B * T, C).contiguous(), C
+
+
+def _lags(lags, T, W, device):
+    if lags is None:
+        return _full_lags(T, W, str(device))
+    return lags.to(device=device, dtype=torch.int32).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _full_lags(T, W, device):
+    return torch.full((T,), W - 1, dtype=torch.int32, device=device)
+
+
+def _blocks(ntile, heads, B, x, per_sm):
+    """Blocks along the tokens: at most per_sm resident blocks on every SM (one wave; a second,
+    partial wave would double the time), at most one per tile."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return max(1, min(ntile, per_sm * sms // (heads * B)))
+
+
+def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps):
+    """q, k, v = the layer's conv + SiLU + L2Norm (module docstring) on the kernels.
+
+    Args: x [B, T, C] bf16/fp16, C = 3 * H * K, unit channel stride; weight [C, W]; halo
+    [B, W-1, C] in x's dtype; lags int [T] or None (every tap valid; the halo feeds t < W-1).
+    Returns q, k, v [B, T, H, K], contiguous.
+    """
+    B, T, C = x.shape
+    K = head_dim
+    H = C // (3 * K)
+    W = weight.shape[1]
+    outs = [torch.empty(B, T, H, K, dtype=x.dtype, device=x.device) for _ in range(3)]
+    if T == 0:
+        return tuple(outs)
+    rows, CS = _rows(x)
+    wt = weight.float().t().contiguous()
+    halo = halo.to(x.dtype).contiguous()
+    lg = _lags(lags, T, W, x.device)
+    split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=2), dtype=torch.int32, device=x.device)
+    for part, y in enumerate(outs):
+        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps), backward=False)
+        kern(rows, wt, halo, lg, y.view(B * T, H, K), split)
+    return tuple(outs)
+
+
+def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps):
+    """Gradients (dx [B, T, C], dweight [C, W], dhalo [B, W-1, C]) of :func:`conv_silu_norm_fwd`."""
+    B, T, C = x.shape
+    K = head_dim
+    H = C // (3 * K)
+    W = weight.shape[1]
+    dhalo = torch.zeros(B, W - 1, C, dtype=halo.dtype, device=x.device)
+    if T == 0:
+        return torch.zeros_like(x), torch.zeros_like(weight), dhalo
+    rows, CS = _rows(x)
+    wt = weight.float().t().contiguous()
+    hx = halo.to(x.dtype).contiguous()
+    lg = _lags(lags, T, W, x.device)
+    S = _blocks(-(-T // (TILE - (W - 1))), H, B, x, per_sm=1)
+    dx = torch.empty(B * T, C, dtype=x.dtype, device=x.device)
+    dwp = torch.empty(S, B, W, 4, C, dtype=torch.float32, device=x.device)  # row u*4+g: tap W-1-u
+    for part, d in enumerate((dq, dk, dv)):
+        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(halo.dtype), float(eps),
+                                 backward=True)
+        kern(rows, wt, hx, lg, d.to(x.dtype).reshape(B * T, H, K).contiguous(), dx, dhalo, dwp.view(S, B, 4 * W, C))
+    dw = dwp.sum((0, 1, 3)).flip(0).t().to(weight.dtype)
+    return dx.view(B, T, C), dw, dhalo
