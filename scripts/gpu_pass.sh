@@ -25,8 +25,8 @@ run() {  # name, timeout, command...
 for step in $STEPS; do
   case $step in
     tests)
-      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
-        tests/test_kernels_bwd_gpu.py tests/test_cp_gpu.py
+      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
+        tests/kernels/test_kernels_bwd_gpu.py tests/cp/test_cp_gpu.py
       tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
     bench)
       run bench_cp ${BENCH_LIMIT:-600} python scripts/bench_cp.py --t-local 8192 32768 131072 --repeats 10 --out "$OUT/bench_cp.json"
@@ -43,7 +43,7 @@ for step in $STEPS; do
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     layer)
-      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/test_layer_gpu.py
+      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py
       tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
         ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"

@@ -17,7 +17,7 @@ echo "GPUs: $N" | tee "$OUT/summary.log"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 # compile every kernel once up front (TileLang's disk cache), not in each rank while the others wait
 timeout 900 python scripts/prebuild_kernels.py --head-dim 128 > /dev/null 2>&1 || echo "prebuild failed" | tee -a "$OUT/summary.log"
-timeout 900 python -m pytest -q -m gpu tests/test_nccl.py -p no:cacheprovider 2>&1 | tee "$OUT/nccl_tests.log" | tail -15
+timeout 900 python -m pytest -q -m gpu tests/cp/test_nccl.py -p no:cacheprovider 2>&1 | tee "$OUT/nccl_tests.log" | tail -15
 timeout 1200 python -m torch.distributed.run --nproc_per_node="$N" scripts/bench_scaling.py \
   --out "$OUT/bench_scaling.json" --deadline 900 2>&1 | tee "$OUT/bench_scaling.log" | grep -v Warning
 RUN=$(mktemp -d /tmp/train_cp$N.XXXX)

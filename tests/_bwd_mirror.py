@@ -1,7 +1,7 @@
 """Pure-torch mirror of the TileLang KDA backward: the specification the kernels implement.
 
 No autograd: every gradient is written out per chunk, in the order and with the factorisations the
-kernels use, so a CPU run in fp64 checks the algebra (tests/test_kernels_bwd_mirror.py compares it
+kernels use, so a CPU run in fp64 checks the algebra (tests/kernels/test_kernels_bwd_mirror.py compares it
 with torch autograd of :func:`kda_cp.reference.chunk_kda_torch` and of the per-token recurrence).
 This module imports torch only; it never needs tilelang or a GPU.
 

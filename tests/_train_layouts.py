@@ -1,4 +1,4 @@
-"""Run kda_cp.train.train() for several configs inside ONE torchrun world (tests/test_train_scale.py).
+"""Run kda_cp.train.train() for several configs inside ONE torchrun world (tests/train/test_train_scale.py).
 
     torchrun --standalone --nproc_per_node=4 tests/_train_layouts.py '<json: list of override lists>'
 

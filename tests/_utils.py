@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
+
+#: The checkout's root (scripts/, conf/ and the package live here).
+ROOT = Path(__file__).resolve().parents[1]
+
+_TINY_TRAIN = {
+    "model.d_model": 32, "model.n_layers": 2, "model.num_heads": 2, "model.head_dim": 16, "model.chunk_size": 16,
+    "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1, "data.max_bytes": 300000,
+    "trainer.val_every": 0, "trainer.progress": "false", "trainer.plot": "false", "parallel.threads_per_rank": 1,
+}
+
+
+def tiny_train(**changes) -> list[str]:
+    """Hydra overrides of a tiny CPU training run on the embedded corpus; ``changes`` replace or add
+    keys, written with "__" for "." (``tiny_train(model__num_heads=4)``)."""
+    cfg = {**_TINY_TRAIN, **{k.replace("__", "."): v for k, v in changes.items()}}
+    return [f"{k}={v}" for k, v in cfg.items()]
 
 # In generated kernel CUDA: a gam_s address of the form base + (...) - n, i.e. the sub-chunk
 # reference row 16 I - 1 read unguarded (for I = 0 it lies before the tile; the kernels clamp it,
@@ -18,13 +35,15 @@ def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
-    """Fail unless ``out`` is finite, has ``ref``'s shape, and rel. RMS error <= ratio."""
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> float:
+    """Fail unless ``out`` is finite, has ``ref``'s shape, and rel. RMS error <= ratio; returns the error."""
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(out).all(), f"{name}: non-finite values"
     assert ref.abs().max() > 0, f"{name}: the reference is all zeros: the case tests nothing"
     err = rel_rms(ref, out)
+    print(f"{name}: rel_rms={err:.3e} (tol {ratio:.0e})")
     assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e}"
+    return err
 
 
 def make_inputs(B, T, H, K, V, *, dtype=torch.float64, g_min=-5.0, seed=None, requires_grad=False,

@@ -367,7 +367,7 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     Numerics: W and Kd are exact as operands and the state and V' are split into two pieces (bf16
         input: two bf16 pieces, bf16 MMAs; fp16: two TF32 pieces), so every product (and so the
         chain of M) is carried at fp32-level accuracy: within ~1e-5 relative of the same chain in
-        fp64 on the same tensors (tests/test_kernels_gpu.py). The factors
+        fp64 on the same tensors (tests/kernels/test_kernels_gpu.py). The factors
         Diag(eC) - Kd^T W themselves are the forward's: W and Kd rounded to the input dtype, as the
         single-device forward applies them. So M is as accurate as the forward's own state (relative
         RMS vs fp64 ~1e-3 to 3e-3 for bf16, growing slowly with the number of chunks), not as

@@ -14,7 +14,7 @@ ZeRO reduces gradients and partitions optimizer state (stage 1), gradients (stag
 "data-parallel" group, a size-1 model-parallel group, and no sequence-parallel group. DeepSpeed
 averages the reduced gradients over that group's size, so :meth:`DeepSpeedEngine.backward` scales
 the loss by dp * cp to turn the average back into the sum. Result: a run with cp = c and dp = d
-takes the same update as one process on the same global batch (tests/test_train_scale.py).
+takes the same update as one process on the same global batch (tests/train/test_train_scale.py).
 
 Why not DeepSpeed's own sequence-parallel groups (mpu with get_sequence_parallel_group = the cp
 axis, data-parallel = the dp axis)? With DeepSpeed 0.19.8 that path reduces over dp x sp in ZeRO 1

@@ -16,24 +16,9 @@ from kda_cp.model import KDALanguageModel
 from kda_cp.train import ConfigError, TrainConfig, build_layout, compose_config, to_train_config, train
 
 from tests._dist import run_command
+from tests._utils import ROOT, tiny_train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.num_heads=2",
-    "model.head_dim=16",
-    "model.chunk_size=16",
-    "data.seq_len=96",
-    "data.batch_size=4",
-    "data.val_batches=1",
-    "data.max_bytes=300000",
-    "trainer.max_steps=3",
-    "trainer.val_every=0",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    "parallel.threads_per_rank=1",
-]
+TINY = tiny_train(data__seq_len=96, trainer__max_steps=3)
 
 
 def _cfg(overrides):

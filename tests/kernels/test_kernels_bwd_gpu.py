@@ -21,24 +21,12 @@ kernels = pytest.importorskip("kda_cp.kernels")
 from kda_cp.kernels import backward  # noqa: E402
 from tests._bwd_mirror import chunk_kda_bwd_mirror  # noqa: E402
 from kda_cp.reference import naive_recurrent_kda  # noqa: E402
+from tests._utils import assert_close, rel_rms  # noqa: E402
 
 TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def rel_rms(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def check(name, ref, out, tol):
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{name}: non-finite values"
-    assert ref.abs().max() > 0, f"{name}: reference is all zeros"
-    err = rel_rms(ref, out)
-    print(f"{name}: rel_rms={err:.3e} (tol {tol:.0e})")
-    assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e}"
-    return err
 
 
 def make(B, T, H, K, V, n_states, *, dtype=torch.bfloat16, g_min=-5.0):
@@ -95,7 +83,7 @@ def test_bwd_matches_fp64_autograd(B, T, H, K, with_h0, with_dht, dtype):
     errs = {}
     for name, r, o in zip(NAMES, ref, out):
         try:
-            check(name, r, o, TOL[name])
+            assert_close(name, r, o, TOL[name])
         except AssertionError as e:
             errs[name] = str(e)
     assert not errs, errs
@@ -108,9 +96,9 @@ def test_state_grad_matches_autograd():
     scale = K ** -0.5
     G = backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do)
     ref = oracle_grads(q, k, v, g, beta, scale, h0, do, None)[5]
-    check("state_grad", ref, G, TOL["dh0"])
+    assert_close("state_grad", ref, G, TOL["dh0"])
     full = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=None)[5]
-    check("state_grad vs bwd dh0", full, G, 1e-5)
+    assert_close("state_grad vs bwd dh0", full, G, 1e-5)
 
 
 def test_prepared_is_shared_by_state_grad_and_bwd():
@@ -128,7 +116,7 @@ def test_prepared_is_shared_by_state_grad_and_bwd():
     G2 = backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale, do=do, cu_seqlens=cu)
     assert torch.equal(G1, G2)
     ref = oracle_grads(q, k, v, g, beta, scale, h0, do, None, cu_seqlens=cu)[5]
-    check("state_grad per sequence", ref, G1, TOL["dh0"])
+    assert_close("state_grad per sequence", ref, G1, TOL["dh0"])
     with pytest.raises(ValueError, match="prepared"):
         backward.chunk_kda_state_grad(q, k, v, g, beta, scale=scale * 2, do=do, cu_seqlens=cu, prepared=prep)
     a = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, cu_seqlens=cu,
@@ -196,7 +184,7 @@ def test_varlen_padding_zeros():
     errs = {}
     for name, r, o in zip(NAMES, ref, [x[:, :P] for x in out[:5]] + [out[5]]):
         try:
-            check(name, r, o, TOL[name])
+            assert_close(name, r, o, TOL[name])
         except AssertionError as e:
             errs[name] = str(e)
     assert not errs, errs

@@ -28,24 +28,9 @@ from kda_cp.train import ConfigError, Trainer, compose_config, train
 from kda_cp.train.metrics import continue_metrics
 
 from tests._dist import descendants, finish, kill_tree, run_command, run_ranks
+from tests._utils import ROOT, tiny_train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.num_heads=2",
-    "model.head_dim=16",
-    "model.chunk_size=16",
-    "data.seq_len=64",
-    "data.batch_size=4",
-    "data.val_batches=1",
-    "data.max_bytes=300000",
-    "trainer.val_every=0",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    "parallel.threads_per_rank=1",
-    "optim.warmup_steps=1",
-]
+TINY = tiny_train(optim__warmup_steps=1)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 OUR_FRAMES = 'scripts/train.py", line'  # a traceback frame of the training script (torchrun prints its own)
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 TOL = 1e-2  # relative RMS, bf16 activations
 # Parameters whose gradient comes through dg: the kernels' dg carries ~1.2e-2 of bf16 error at these
-# sizes (their own test allows 2e-2, tests/test_kernels_bwd_gpu.py), so these reach 1.1-1.5e-2.
+# sizes (their own test allows 2e-2, tests/kernels/test_kernels_bwd_gpu.py), so these reach 1.1-1.5e-2.
 GATE_PATH = ("grad A_log", "grad g_down.weight", "grad g_up.weight")
 GATE_TOL = 2e-2
 

@@ -21,30 +21,14 @@ from kda_cp.train import train
 
 from tests._deepspeed import has_deepspeed, require_deepspeed
 from tests._dist import finish, kill_tree, run_command
+from tests._utils import ROOT, tiny_train
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 # Tiny hybrid model ("KA": a KDA and an attention block), 4 heads so ulysses runs at cp = 4.
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.num_heads=4",
-    "model.head_dim=8",
-    "model.chunk_size=16",
-    "model.layer_pattern=KA",
-    "data.seq_len=64",
-    "data.batch_size=4",
-    "data.val_batches=1",
-    "data.max_bytes=300000",
-    "trainer.val_every=0",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    f"trainer.max_steps={STEPS}",
-    "parallel.threads_per_rank=1",
-    "parallel.timeout_s=60",
-]
+TINY = tiny_train(model__num_heads=4, model__head_dim=8, model__layer_pattern="KA", trainer__max_steps=STEPS,
+                  parallel__timeout_s=60)
 LAYOUTS = {"dp2xcp2": 2, "dp1xcp4": 4, "dp4xcp1": 1}
 CONFIGS = {
     "scan": ["parallel.strategy=scan"],

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kda_cp.reference import naive_recurrent_kda  # noqa: E402
+from tests._utils import assert_close  # noqa: E402
 
 kernels = pytest.importorskip("kda_cp.kernels")
 from kda_cp.kernels._common import STATE_LAUNCHES  # noqa: E402
@@ -28,19 +29,6 @@ FWD_TOL = 5e-3
 SUMMARY_TOL = 1e-3
 
 
-def rel_rms(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def check(name, ref, out, tol):
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{name}: non-finite values"
-    assert ref.abs().max() > 0, f"{name}: reference is all zeros"
-    err = rel_rms(ref, out)
-    print(f"{name}: rel_rms={err:.3e}")
-    assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e}"
-    return err
 
 
 def make(B, T, H, K, V, *, dtype=torch.bfloat16, gates="bound", g_min=-5.0, seed=0):
@@ -91,8 +79,8 @@ def test_fwd_matches_fp64_recurrence(B, T, H, K, with_h0, gates, dtype):
     o, ht = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
                                   output_final_state=True)
     o_ref, ht_ref = oracle(q, k, v, g, beta, scale, h0)
-    check("o", o_ref, o, FWD_TOL)
-    check("final_state", ht_ref, ht, FWD_TOL)
+    assert_close("o", o_ref, o, FWD_TOL)
+    assert_close("final_state", ht_ref, ht, FWD_TOL)
 
 
 @pytest.mark.parametrize("K,with_h0,gates", [(128, True, "mixed"), (64, False, "bound")])
@@ -105,11 +93,11 @@ def test_fwd_packed_sequences(K, with_h0, gates):
     o, ht = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                                   output_final_state=True, cu_seqlens=cu)
     o_ref, ht_ref = oracle(q, k, v, g, beta, K ** -0.5, h0, cu_seqlens=cu)
-    check("o", o_ref, o, FWD_TOL)
-    check("final_state", ht_ref, ht, FWD_TOL)
+    assert_close("o", o_ref, o, FWD_TOL)
+    assert_close("final_state", ht_ref, ht, FWD_TOL)
     # each sequence separately: the packed run must not leak state across boundaries
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        check(f"o[seq {i}]", o_ref[:, a:b], o[:, a:b], FWD_TOL)
+        assert_close(f"o[seq {i}]", o_ref[:, a:b], o[:, a:b], FWD_TOL)
 
 
 @pytest.mark.parametrize("launch", STATE_LAUNCHES, ids=lambda x: f"bv{x[0]}-t{x[1]}")
@@ -130,8 +118,8 @@ def test_fwd_every_state_launch(K, dtype, launch, monkeypatch):
     o, ht = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                                   output_final_state=True, cu_seqlens=cu)
     o_ref, ht_ref = oracle(q, k, v, g, beta, K ** -0.5, h0, cu_seqlens=cu)
-    check("o", o_ref, o, FWD_TOL)
-    check("final_state", ht_ref, ht, FWD_TOL)
+    assert_close("o", o_ref, o, FWD_TOL)
+    assert_close("final_state", ht_ref, ht, FWD_TOL)
 
 
 def test_fwd_causal():
@@ -164,8 +152,8 @@ def test_summary_matches_fp64(B, T, H, K):
     _, k, v, g, beta = make(B, T, H, K, V, gates="mixed", seed=11 + T)
     M, St = kernels.chunk_kda_summary(k, v, g, beta)
     M_ref, St_ref = _summary_oracle(k, v, g, beta)
-    check("M", M_ref, M, SUMMARY_TOL)
-    check("S_tilde", St_ref, St, SUMMARY_TOL)
+    assert_close("M", M_ref, M, SUMMARY_TOL)
+    assert_close("S_tilde", St_ref, St, SUMMARY_TOL)
 
 
 def test_summary_composes_to_final_state():
@@ -180,9 +168,9 @@ def test_summary_composes_to_final_state():
     M, S = M2.double() @ M1.double(), M2.double() @ S1.double() + S2.double()
     composed = M @ h0.double() + S
     _, ht_ref = oracle(k, k, v, g, beta, 1.0, h0)
-    check("composed final state", ht_ref, composed, SUMMARY_TOL)
+    assert_close("composed final state", ht_ref, composed, SUMMARY_TOL)
     Mw, Sw = kernels.chunk_kda_summary(k, v, g, beta)
-    check("whole-sequence M vs composed", M, Mw, SUMMARY_TOL)
+    assert_close("whole-sequence M vs composed", M, Mw, SUMMARY_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -201,7 +189,7 @@ def test_summary_prepared_matches_fp64(dtype):
     M, St = kernels.chunk_kda_summary_prepared(prep)
     Ml, Sl = kernels.chunk_kda_summary_prepared(prep, last_only=True)
     assert M.shape == (4, H, K, K) and Ml.shape == (1, H, K, K)
-    check("last_only M vs fp64", _summary_oracle(*(x[:, int(cu[-2]):] for x in (k, v, g, beta)))[0], Ml, FWD_TOL)
+    assert_close("last_only M vs fp64", _summary_oracle(*(x[:, int(cu[-2]):] for x in (k, v, g, beta)))[0], Ml, FWD_TOL)
     assert torch.equal(M[1], torch.eye(K, device="cuda").expand(H, K, K)) and not St[1].any()
     check_per_sequence(M, St, cu, k, v, g, beta, FWD_TOL)
 
@@ -212,8 +200,8 @@ def check_per_sequence(M, St, cu, k, v, g, beta, tol):
         if a == b:
             continue
         M_ref, St_ref = _summary_oracle(*(x[:, a:b] for x in (k, v, g, beta)))
-        check(f"M of sequence {i}", M_ref, M[i:i + 1], tol)
-        check(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], tol)
+        assert_close(f"M of sequence {i}", M_ref, M[i:i + 1], tol)
+        assert_close(f"S_tilde of sequence {i}", St_ref, St[i:i + 1], tol)
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 5])
@@ -282,8 +270,8 @@ def test_prepared_summary_arithmetic_matches_fp64_chain(dtype, K):
         M, St = summary_run(W, U, Kd, Ec, tab.seq_table, tab.num_chunks, pieces)
         for i, (c0, nc) in enumerate(tab.seq_table[:, :2].tolist()):
             M_ref, St_ref = _chain_fp64(W, U, Kd, Ec, c0, nc)
-            check(f"M of sequence {i} (pieces {pieces})", M_ref, M[i], 1e-4)
-            check(f"S_tilde of sequence {i} (pieces {pieces})", St_ref, St[i], 1e-4)
+            assert_close(f"M of sequence {i} (pieces {pieces})", M_ref, M[i], 1e-4)
+            assert_close(f"S_tilde of sequence {i} (pieces {pieces})", St_ref, St[i], 1e-4)
 
 
 def test_summary_prepared_composes_to_final_state():
@@ -299,7 +287,7 @@ def test_summary_prepared_composes_to_final_state():
     (M1, S1), (M2, S2) = pairs
     composed = M2.double() @ (M1.double() @ h0.double() + S1.double()) + S2.double()
     _, ht_ref = oracle(q, k, v, g, beta, 1.0, h0)
-    check("composed final state", ht_ref, composed, FWD_TOL)
+    assert_close("composed final state", ht_ref, composed, FWD_TOL)
 
 
 def test_is_supported_on_this_gpu():

@@ -62,7 +62,7 @@ def test_bwd_ut_compiles(K, dtype):
 def test_bwd_dk_compiles(K, dtype):
     src = build_bwd_dk_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
     # the decayed products' backward: bf16 MMAs on dM (bf16) and the two-piece bf16 split of the
-    # factors (tests/test_kernels_bwd_mirror.py::test_dk_operand_split_keeps_dg_accurate says why);
+    # factors (tests/kernels/test_kernels_bwd_mirror.py::test_dk_operand_split_keeps_dg_accurate says why);
     # never fp16 operands, whose range the factors (up to e^80) exceed
     assert "kBFloat16, tl::DataType::kBFloat16" in src
     assert "kFloat16, tl::DataType::kFloat16" not in src and "kTensorFloat32" not in src
