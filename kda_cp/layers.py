@@ -31,17 +31,13 @@ import torch.nn.functional as F
 
 from kda_cp import glue
 from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
-from kda_cp.parallel.conv import agree_conv_inputs, causal_conv1d, halo_exchange
 from kda_cp.parallel.attention import cp_attention
+from kda_cp.parallel.context import CP_STRATEGIES, CPContext
+from kda_cp.parallel.conv import agree_conv_inputs, causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda
-from kda_cp.parallel.exchange import group_rank_and_size
 from kda_cp.parallel.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
-
-#: How a KDA layer runs on a sequence sharded over a CP group: "scan" (affine prefix scan over
-#: ranks, kda_cp.parallel.cp_chunk_kda) or "ulysses" (head-parallel all-to-all, kda_cp.parallel.ulysses).
-CP_STRATEGIES = ("scan", "ulysses")
 
 
 @dataclass
@@ -129,7 +125,8 @@ class ShortConv(nn.Module):
     """Causal depthwise convolution of width W over [B, T, D], with the CP halo when sharded.
 
     The weight is [D, W] (``nn.Conv1d(D, D, W, groups=D)``'s weight without its middle dim),
-    initialized like nn.Conv1d. No bias (as in Kimi Linear's short convolutions).
+    initialized like nn.Conv1d. No bias (as in Kimi Linear's short convolutions). Under CP (its
+    ``cp`` context, set by :func:`kda_cp.parallel.parallelize`) x is this rank's shard.
     """
 
     def __init__(self, dim: int, width: int) -> None:
@@ -137,10 +134,11 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, width))
         bound = 1.0 / math.sqrt(width)
         nn.init.uniform_(self.weight, -bound, bound)
+        self.cp = CPContext()
 
-    def forward(self, x: torch.Tensor, cp_group=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # .to(x.dtype): under bf16 autocast the input is bf16 and the fp32 weight must follow it.
-        return causal_conv1d(x, self.weight.to(x.dtype), None, cp_group=cp_group)
+        return causal_conv1d(x, self.weight.to(x.dtype), None, cp_group=self.cp.group)
 
 
 class KDALayer(nn.Module):
@@ -149,13 +147,13 @@ class KDALayer(nn.Module):
     Args:
         config: a :class:`KDAConfig`.
 
+    Context parallelism: the layer's ``cp`` (a :class:`kda_cp.parallel.CPContext`, unsharded by
+    default) is set by :func:`kda_cp.parallel.parallelize`. When its group has P > 1 ranks, forward
+    and backward are collective: every rank of the group calls them in the same order, and the
+    strategy ("scan" or "ulysses", which needs num_heads % P == 0 and equal shards) picks the op.
+
     Forward:
         x: [B, T, D] (floating point). Under CP, this rank's contiguous shard of the sequence.
-        cp_group: torch.distributed group of the CP ranks, or None / a group of size 1 for an
-            unsharded sequence. Collective when sharded: every rank of the group calls forward
-            and backward in the same order.
-        cp_strategy: "scan" (default) or "ulysses" (needs num_heads % P == 0 and equal shards).
-        ulysses_impl: "auto", "deepspeed" or "torch" (see kda_cp.parallel.ulysses).
         cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (B = 1), the same on every CP
             rank; neither the short conv nor the recurrence crosses a sequence start.
         Returns y: [B, T, D] in x's dtype.
@@ -165,8 +163,8 @@ class KDALayer(nn.Module):
     same functions run eagerly.
 
     Raises:
-        ValueError: x not [B, T, d_model], or an unknown cp_strategy.
-        NotImplementedError: cu_seqlens with cp_strategy="ulysses".
+        ValueError: x not [B, T, d_model].
+        NotImplementedError: cu_seqlens with the "ulysses" strategy.
     """
 
     def __init__(self, config: KDAConfig) -> None:
@@ -191,6 +189,7 @@ class KDALayer(nn.Module):
             )
         self.o_norm = RMSNorm(V, eps=c.norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.cp = CPContext()
         self._init_gate_bias()
 
     @torch.no_grad()
@@ -213,18 +212,16 @@ class KDALayer(nn.Module):
         z = F.linear(self.g_down(x), self.g_up.weight).view(B, T, c.num_heads, c.head_dim)
         return glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min)[0]
 
-    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto",
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        if cp_strategy not in CP_STRATEGIES:
-            raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
+        cp_group, cp_strategy = self.cp.group, self.cp.strategy
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
         if cu_seqlens is not None and cp_strategy == "ulysses":
-            raise NotImplementedError("cu_seqlens with cp_strategy='ulysses' is not supported; use 'scan'")
+            raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
         B, T, _ = x.shape
         H, K, V = c.num_heads, c.head_dim, c.v_dim
-        rank, size = group_rank_and_size(cp_group)
+        rank, size = self.cp.rank_and_size()
         if cu_seqlens is not None:
             cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
         # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM (one input
@@ -255,7 +252,7 @@ class KDALayer(nn.Module):
         # every step; the checks would cost a read of q, k, v, g and a device sync per layer.
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
         if size > 1 and cp_strategy == "ulysses":
-            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=ulysses_impl, **kw)
+            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
         elif size > 1:
             o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw)
         else:
@@ -290,11 +287,12 @@ class AttentionLayer(nn.Module):
         o       = softmax(q k^T / sqrt(D) + causal mask) v
         y       = W_o o
 
-    Under CP, K and V are all-gathered over the CP group and this rank's queries attend with the
-    causal offset of their global positions (:func:`kda_cp.parallel.attention.cp_attention`); both
-    CP strategies use this path.
+    Under CP (its ``cp`` context, set by :func:`kda_cp.parallel.parallelize`), K and V are
+    all-gathered over the CP group and this rank's queries attend with the causal offset of their
+    global positions (:func:`kda_cp.parallel.attention.cp_attention`); both CP strategies use this
+    path.
 
-    Forward: x [B, T_r, D], cp_group (collective under CP) -> y [B, T_r, D].
+    Forward: x [B, T_r, D] (collective under CP) -> y [B, T_r, D].
     """
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -302,12 +300,13 @@ class AttentionLayer(nn.Module):
         self.config = c = config
         self.qkv_proj = nn.Linear(c.d_model, 3 * c.num_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.d_model, bias=False)
+        self.cp = CPContext()
 
-    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, c.num_heads, c.head_dim).unbind(2)
-        o = cp_attention(q, k, v, cp_group=cp_group)
+        o = cp_attention(q, k, v, cp_group=self.cp.group)
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim))

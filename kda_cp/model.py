@@ -153,8 +153,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden)
 
-    def forward(self, h: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto") -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cp_group=cp_group, cp_strategy=cp_strategy, ulysses_impl=ulysses_impl)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h))
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -167,11 +167,10 @@ class KDALanguageModel(nn.Module):
     Forward:
         input_ids: [B, T] integer token ids in [0, vocab_size); under CP, this rank's contiguous
             shard of each sequence (rank r of the group holds the r-th piece).
-        cp_group: the CP process group, or None / a group of size 1 for whole sequences. Collective
-            when sharded (every rank of the group runs forward and backward in the same order).
-        cp_strategy: how KDA layers run under CP: "scan" (default) or "ulysses".
-        ulysses_impl: "auto", "deepspeed" or "torch" (the all-to-all of the ulysses strategy).
         Returns logits: [B, T, vocab_size], fp32 when the weights are fp32.
+
+    Context parallelism is set once, ``kda_cp.parallel.parallelize(model, CPContext(group, strategy))``;
+    forward and backward are then collective over the group (every rank in the same order).
 
     Raises:
         ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size).
@@ -203,9 +202,7 @@ class KDALanguageModel(nn.Module):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
 
-    def forward(
-        self, input_ids: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto"
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
             raise ValueError(
                 f"input_ids must be [B, T] integer, got shape {tuple(input_ids.shape)} dtype {input_ids.dtype}"
@@ -216,7 +213,7 @@ class KDALanguageModel(nn.Module):
                 raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {self.config.vocab_size}), got min {lo}, max {hi}")
         h = self.embed(input_ids.long())
         for block in self.blocks:
-            h = block(h, cp_group=cp_group, cp_strategy=cp_strategy, ulysses_impl=ulysses_impl)
+            h = block(h)
         return self.head(self.norm(h))
 
     def num_params(self) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from kda_cp.layers import KDAConfig
-from kda_cp.parallel.exchange import group_rank_and_size
+from kda_cp.parallel.context import CPContext
 
 __all__ = ["FlaKDALayer"]
 
@@ -48,9 +48,9 @@ class FlaKDALayer(nn.Module):
             use_short_conv=c.conv_size > 0, conv_size=max(c.conv_size, 1), safe_gate=True, lower_bound=c.g_min,
             norm_eps=c.norm_eps, mode="chunk",
         )
+        self.cp = CPContext()  # set by kda_cp.parallel.parallelize; only the unsharded case runs
 
-    def forward(self, x: torch.Tensor, cp_group=None, cp_strategy: str = "scan", ulysses_impl: str = "auto",
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if group_rank_and_size(cp_group)[1] > 1:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cp.rank_and_size()[1] > 1:
             raise NotImplementedError("flash-linear-attention's KDA layer has no context parallelism: use cp=1")
         return self.inner(x, cu_seqlens=cu_seqlens)[0]

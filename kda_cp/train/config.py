@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from kda_cp.data import DataConfig
-from kda_cp.layers import CP_STRATEGIES
+from kda_cp.parallel.context import CP_STRATEGIES, ULYSSES_IMPLS
 from kda_cp.model import ModelConfig
 
 __all__ = [
@@ -58,8 +58,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.strategy not in CP_STRATEGIES:
             raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
-        if self.ulysses_impl not in ("auto", "deepspeed", "torch"):
-            raise ValueError(f"parallel.ulysses_impl must be 'auto', 'deepspeed' or 'torch', got {self.ulysses_impl!r}")
+        if self.ulysses_impl not in ULYSSES_IMPLS:
+            raise ValueError(f"parallel.ulysses_impl must be one of {ULYSSES_IMPLS}, got {self.ulysses_impl!r}")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from kda_cp.checkpoint import CheckpointManager
 from kda_cp.data import ByteCorpus, unigram_entropy
 from kda_cp.model import KDALanguageModel, train_flops_per_token
+from kda_cp.parallel.context import CPContext, parallelize
 from kda_cp.train.config import ConfigError, TrainConfig, TrainerConfig, drift_message, one_line, to_train_config
 from kda_cp.train.distributed import Layout, agree, broadcast_object, init_distributed
 from kda_cp.train.engine import build_engine
@@ -133,6 +134,8 @@ class Trainer:
         self.entropy = unigram_entropy(self.corpus.data)
         torch.manual_seed(cfg.trainer.seed)
         model = KDALanguageModel(cfg.model).to(layout.device)
+        par = cfg.parallel
+        parallelize(model, CPContext(layout.cp_group, par.strategy, par.ulysses_impl))
         if layout.distributed:  # identical init everywhere, whatever the RNG did
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
@@ -152,10 +155,9 @@ class Trainer:
 
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Sum of this rank's token losses on inputs ``x`` and targets ``y`` ([b, T / cp] bytes), fp32."""
-        layout, par = self.layout, self.cfg.parallel
+        layout = self.layout
         with _autocast(layout.device, self.cfg.trainer.precision):
-            logits = self.engine(x.to(layout.device), cp_group=layout.cp_group, cp_strategy=par.strategy,
-                                 ulysses_impl=par.ulysses_impl)
+            logits = self.engine(x.to(layout.device))
         return F.cross_entropy(logits.flatten(0, 1).float(), y.to(layout.device).flatten(), reduction="sum")
 
     @torch.no_grad()

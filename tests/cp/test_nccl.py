@@ -116,6 +116,7 @@ def _hybrid_body(rank, world_size, state, ids, strategy):
     import torch.nn.functional as F
 
     from kda_cp.model import KDALanguageModel, ModelConfig
+    from kda_cp.parallel import CPContext, parallelize
 
     dev = torch.device("cuda", rank)
     model = KDALanguageModel(ModelConfig(**HYBRID)).to(dev)
@@ -125,7 +126,7 @@ def _hybrid_body(rank, world_size, state, ids, strategy):
     L = T // world_size
     sl = slice(rank * L, (rank + 1) * L)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(ids[:, sl], cp_group=dist.group.WORLD, cp_strategy=strategy)
+        logits = parallelize(model, CPContext(dist.group.WORLD, strategy))(ids[:, sl])
     # next-token targets of this shard: the first token of the next shard closes the last position
     tgt = ids[:, rank * L + 1: (rank + 1) * L + 1]
     lg = logits.float()[:, : tgt.shape[1]]

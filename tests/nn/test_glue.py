@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kda_cp.parallel import CPContext, parallelize
 from kda_cp import glue
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.ops import chunk_kda
@@ -78,9 +79,13 @@ def test_conv_does_not_mix_packed_sequences():
 def test_glue_bad_input():
     layer = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8, chunk_size=16))
     with pytest.raises(NotImplementedError, match="ulysses"):
-        layer(torch.randn(1, 8, 16), cp_strategy="ulysses", cu_seqlens=torch.tensor([0, 8]))
-    with pytest.raises(ValueError, match="cp_strategy"):
-        layer(torch.randn(1, 8, 16), cp_strategy="ring")
+        parallelize(layer, CPContext(strategy="ulysses"))(torch.randn(1, 8, 16), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="CPContext.strategy"):
+        CPContext(strategy="ring")
+    with pytest.raises(ValueError, match="CPContext.ulysses_impl"):
+        CPContext(strategy="ulysses", ulysses_impl="mpi")
+    with pytest.raises(TypeError, match="CPContext"):
+        parallelize(layer, "scan")
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda_cp.parallel import CPContext, parallelize
 from kda_cp.layers import AttentionConfig, AttentionLayer
 from kda_cp.model import KDALanguageModel, ModelConfig
 from kda_cp.parallel.attention import causal_attention, cp_attention
@@ -64,7 +65,8 @@ def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
     model.load_state_dict(state)
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
-    logits = model(ids[:, sl], cp_group=dist.group.WORLD)
+    parallelize(model, CPContext(dist.group.WORLD))
+    logits = model(ids[:, sl])
     (logits * dlogits[:, sl]).sum().backward()
     return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from kda_cp.parallel import CPContext, parallelize
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.model import KDALanguageModel, ModelConfig
 
@@ -69,7 +70,7 @@ def _layer_body(rank, world_size, state, x, dy, lengths, cu=None):
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
     x_r = x[:, sl].clone().requires_grad_(True)
-    y_r = layer(x_r, cp_group=dist.group.WORLD, cu_seqlens=cu)
+    y_r = parallelize(layer, CPContext(dist.group.WORLD))(x_r, cu_seqlens=cu)
     (y_r * dy[:, sl]).sum().backward()
     return {"y": y_r.detach(), "dx": x_r.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
 
@@ -110,7 +111,7 @@ def _model_body(rank, world_size, state, ids, dlogits):
     model = KDALanguageModel(ModelConfig(**MODEL_CFG)).double()
     model.load_state_dict(state)
     group = dist.group.WORLD
-    logits = model(shard_sequence(ids, group), cp_group=group)
+    logits = parallelize(model, CPContext(group))(shard_sequence(ids, group))
     (logits * shard_sequence(dlogits, group)).sum().backward()
     return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
@@ -139,7 +140,7 @@ def _bad_cp_rank(rank, world_size, case):
     T = {"empty-shard": [5, 0], "batch": [6, 6]}[case][rank]
     B = 2 if case == "batch" and rank == 1 else 1
     try:
-        layer(torch.randn(B, T, 32), cp_group=dist.group.WORLD)
+        parallelize(layer, CPContext(dist.group.WORLD))(torch.randn(B, T, 32))
     except ValueError as exc:
         return str(exc)
     return "no error"
