@@ -17,7 +17,8 @@ slice of the unsharded logits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -30,51 +31,46 @@ __all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU", "train_flops_per_token"]
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of :class:`KDALanguageModel`."""
+    """Hyper-parameters of :class:`KDALanguageModel`: the model's own, and its layers' as nested
+    configs (``kda`` for the "K" blocks, ``attention`` for the "A" blocks)."""
 
     vocab_size: int = 256
     """Vocabulary size (256: raw bytes)."""
     d_model: int = 128
-    """Residual width D."""
+    """Residual width D; the nested layer configs take it (leave their d_model unset)."""
     n_layers: int = 3
-    """Number of blocks (each: KDA token mixer + SwiGLU MLP)."""
-    num_heads: int = 4
-    """KDA heads per layer."""
-    head_dim: int = 32
-    """KDA key/query head dim K (value head dim V = K)."""
-    conv_size: int = 4
-    """Width of the causal short convolution on q, k, v (0 disables it)."""
-    g_min: float = -5.0
-    """Lower bound of the per-step log decay (K3 Eq. 17)."""
-    gate_rank: int | None = None
-    """Rank of the decay-gate projection; None means head_dim."""
+    """Number of blocks (each: a token mixer + SwiGLU MLP)."""
+    layer_pattern: str = "K"
+    """Token mixer of each block, repeated over n_layers: "K" KDA, "A" full attention (NoPE,
+    causal). n_layers must be a whole number of repeats (n_layers % len(layer_pattern) == 0).
+    "KKKA" is Kimi Linear's 3:1 hybrid (n_layers 4, 8, ...); "K" a pure KDA model."""
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    """The KDA layers: heads, head dims, short conv, gates, chunk size, backend (kda_cp.layers.KDAConfig)."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The attention layers: heads and head dim (kda_cp.layers.AttentionConfig)."""
+    kda_impl: str = "kda_cp"
+    """Which KDA layer the "K" blocks use: "kda_cp" (:class:`kda_cp.layers.KDALayer`) or "fla"
+    (flash-linear-attention's layer, :class:`kda_cp.peer.FlaKDALayer`, for side-by-side runs: an
+    optional dependency, one GPU, needs kda.output_gate_rank = kda.head_dim)."""
     mlp_hidden: int | None = None
     """SwiGLU hidden width; None means 8/3 * d_model rounded up to a multiple of 64."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head weights."""
     norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
+    """Epsilon of the blocks' RMSNorms (the KDA layers' own eps is kda.norm_eps)."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights (output projections scaled by 1/sqrt(2 n_layers))."""
-    chunk_size: int = 64
-    """Chunk length of the KDA op."""
-    backend: str = "auto"
-    """KDA op backend: "auto", "torch" or "tilelang"."""
-    output_gate_rank: int | None = None
-    """Rank of the KDA layers' sigmoid output gate; None means full rank."""
-    kda_impl: str = "kda_cp"
-    """Which KDA layer the "K" blocks use: "kda_cp" (:class:`kda_cp.layers.KDALayer`) or "fla"
-    (flash-linear-attention's layer, :class:`kda_cp.peer.FlaKDALayer`, for side-by-side runs: an
-    optional dependency, one GPU, needs output_gate_rank = head_dim)."""
-    layer_pattern: str = "K"
-    """Token mixer of each block, repeated over n_layers: "K" KDA, "A" full attention (NoPE,
-    causal). n_layers must be a whole number of repeats (n_layers % len(layer_pattern) == 0).
-    "KKKA" is Kimi Linear's 3:1 hybrid (n_layers 4, 8, ...); "K" a pure KDA model."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "num_heads", "head_dim"):
+        for name in ("vocab_size", "d_model", "n_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name, default in (("kda", KDAConfig.d_model), ("attention", AttentionConfig.d_model)):
+            sub = getattr(self, name)
+            if sub.d_model not in (default, self.d_model):
+                raise ValueError(f"model.{name}.d_model={sub.d_model} differs from model.d_model={self.d_model}: "
+                                 "the layers take the model's width, set model.d_model")
+            setattr(self, name, dataclasses.replace(sub, d_model=self.d_model))
         if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
             raise ValueError(
                 f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "
@@ -91,29 +87,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.init_std must be > 0 and finite, got {self.init_std}")
         if self.kda_impl not in ("kda_cp", "fla"):
             raise ValueError(f"model.kda_impl must be 'kda_cp' or 'fla', got {self.kda_impl!r}")
-        if "K" in self.layer_pattern:
-            self.kda_config()  # its checks (chunk_size, backend, ...) at config time, not at the first forward
 
     def mixer(self, layer: int) -> str:
         """"K" or "A": the token mixer of block ``layer``."""
         return self.layer_pattern[layer % len(self.layer_pattern)]
-
-    def attention_config(self) -> AttentionConfig:
-        return AttentionConfig(d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim)
-
-    def kda_config(self) -> KDAConfig:
-        return KDAConfig(
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            conv_size=self.conv_size,
-            gate_rank=self.gate_rank,
-            output_gate_rank=self.output_gate_rank,
-            g_min=self.g_min,
-            chunk_size=self.chunk_size,
-            norm_eps=self.norm_eps,
-            backend=self.backend,
-        )
 
     @property
     def hidden(self) -> int:
@@ -143,13 +120,13 @@ class Block(nn.Module):
         self.mixer = mixer
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         if mixer == "A":
-            self.attn = AttentionLayer(config.attention_config())
+            self.attn = AttentionLayer(config.attention)
         elif config.kda_impl == "fla":
             from kda_cp.peer import FlaKDALayer
 
-            self.attn = FlaKDALayer(config.kda_config())
+            self.attn = FlaKDALayer(config.kda)
         else:
-            self.attn = KDALayer(config.kda_config())
+            self.attn = KDALayer(config.kda)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden)
 

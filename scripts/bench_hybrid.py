@@ -6,7 +6,7 @@ Usage:
         [-- extra train.py overrides]
 
 Each implementation runs ``scripts/train.py +experiment=h200_hybrid_64k model.kda_impl=IMPL
-model.output_gate_rank=128`` (the peer's low-rank output gate, so both models have the same
+model.kda.output_gate_rank=128`` (the peer's low-rank output gate, so both models have the same
 parameters and FLOPs) for --steps steps with validation and checkpoints off, in a fresh run
 directory under --workdir. Reported from each run's summary.json: median tokens/s, median MFU
 (train FLOPs per token from kda_cp.model.train_flops_per_token over 989 TFLOP/s) and peak memory,
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_one(impl, steps, workdir, extra):
     run_dir = Path(workdir) / f"hybrid-{impl}"
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "+experiment=h200_hybrid_64k",
-           f"model.kda_impl={impl}", "model.output_gate_rank=128", f"trainer.max_steps={steps}",
+           f"model.kda_impl={impl}", "model.kda.output_gate_rank=128", f"trainer.max_steps={steps}",
            f"trainer.val_every={10 * steps}", f"trainer.checkpoint_every={10 * steps}", "trainer.plot=false",
            f"trainer.run_dir={run_dir}", *extra]
     t0 = time.time()

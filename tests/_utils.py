@@ -11,7 +11,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 _TINY_TRAIN = {
-    "model.d_model": 32, "model.n_layers": 2, "model.num_heads": 2, "model.head_dim": 16, "model.chunk_size": 16,
+    "model.d_model": 32, "model.n_layers": 2, "model.kda.num_heads": 2, "model.kda.head_dim": 16,
+    "model.kda.chunk_size": 16, "model.attention.num_heads": 2, "model.attention.head_dim": 16,
     "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1, "data.max_bytes": 300000,
     "trainer.val_every": 0, "trainer.progress": "false", "trainer.plot": "false", "parallel.threads_per_rank": 1,
 }
@@ -19,7 +20,7 @@ _TINY_TRAIN = {
 
 def tiny_train(**changes) -> list[str]:
     """Hydra overrides of a tiny CPU training run on the embedded corpus; ``changes`` replace or add
-    keys, written with "__" for "." (``tiny_train(model__num_heads=4)``)."""
+    keys, written with "__" for "." (``tiny_train(model__kda__num_heads=4)``)."""
     cfg = {**_TINY_TRAIN, **{k.replace("__", "."): v for k, v in changes.items()}}
     return [f"{k}={v}" for k, v in cfg.items()]
 

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from kda_cp.checkpoint import CheckpointWriteError
-from kda_cp.train.config import ConfigError, TrainConfig, one_line, to_train_config
+from kda_cp.train.config import MOVED_MODEL_KEYS, ConfigError, TrainConfig, one_line, to_train_config
 from kda_cp.train.trainer import train
 
 __all__ = ["CONF_DIR", "USAGE", "help_text", "compose_config", "main"]
@@ -64,11 +64,15 @@ def help_text() -> str:
         options = sorted(f.stem for f in d.glob("*.yaml"))
         prefix = "+" if d.name == "experiment" else ""
         groups.append(f"  {prefix}{d.name}: {' | '.join(options)}")
-    keys = []
-    for f in dataclasses.fields(TrainConfig):
-        schema = f.default_factory()
-        items = " ".join(f"{x.name}={getattr(schema, x.name)!r}".replace("'", "") for x in dataclasses.fields(schema))
-        keys.append(f"  {f.name}: {items}")
+    def items(obj, prefix=""):  # nested configs (model.kda, model.attention) as dotted keys
+        for x in dataclasses.fields(obj):
+            value = getattr(obj, x.name)
+            if dataclasses.is_dataclass(value):
+                yield from items(value, f"{prefix}{x.name}.")
+            else:
+                yield f"{prefix}{x.name}={value!r}".replace("'", "")
+
+    keys = [f"  {f.name}: {' '.join(items(f.default_factory()))}" for f in dataclasses.fields(TrainConfig)]
     keys = ["\n".join(textwrap.wrap(k, 100, subsequent_indent="      ")) for k in keys]
     return USAGE.format(groups="\n".join(groups), keys="\n".join(keys))
 
@@ -77,8 +81,14 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """Compose conf/config.yaml with Hydra overrides (the command line's KEY=VALUE arguments).
 
     Raises:
-        ConfigError: an override Hydra cannot parse or apply (the message is Hydra's, on one line).
+        ConfigError: an override Hydra cannot parse or apply (the message is Hydra's, on one line),
+            or a key that moved into a nested config (the message names its new place).
     """
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in MOVED_MODEL_KEYS:
+            raise ConfigError(f"{key} is now {' and '.join(MOVED_MODEL_KEYS[key])} (the layers' configs nest in "
+                              f"the model's): got {override!r}")
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
             return compose(config_name="config", overrides=list(overrides))

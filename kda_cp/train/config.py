@@ -194,9 +194,9 @@ class TrainConfig:
             if T % cp:
                 raise ValueError(f"parallel.strategy=ulysses needs data.seq_len % parallel.cp == 0, "
                                  f"got seq_len={T}, cp={cp}")
-            if self.model.num_heads % cp:
-                raise ValueError(f"parallel.strategy=ulysses needs model.num_heads % parallel.cp == 0, "
-                                 f"got num_heads={self.model.num_heads}, cp={cp}")
+            if self.model.kda.num_heads % cp:
+                raise ValueError(f"parallel.strategy=ulysses needs model.kda.num_heads % parallel.cp == 0, "
+                                 f"got num_heads={self.model.kda.num_heads}, cp={cp}")
 
 
 class ConfigError(ValueError):
@@ -207,6 +207,15 @@ def one_line(exc: BaseException) -> str:
     """An exception's message on one line (OmegaConf and Hydra spread theirs over several)."""
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
     return text or type(exc).__name__
+
+
+#: Keys that moved into the nested layer configs: model.<key> -> model.kda.<key> (and
+#: model.attention.<key> for the two the attention layers share).
+MOVED_MODEL_KEYS = {
+    **{f"model.{k}": (f"model.kda.{k}", f"model.attention.{k}") for k in ("num_heads", "head_dim")},
+    **{f"model.{k}": (f"model.kda.{k}",) for k in ("conv_size", "g_min", "gate_rank", "chunk_size", "backend",
+                                                   "output_gate_rank")},
+}
 
 
 def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
@@ -234,8 +243,10 @@ def to_train_config(cfg: TrainConfig | DictConfig) -> TrainConfig:
         return cfg
     unknown = _unknown_keys(cfg, TrainConfig)
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (python scripts/train.py --help lists the groups; "
-                          "each group's keys are the fields of its dataclass)")
+        moved = [f"{k} is now {' and '.join(MOVED_MODEL_KEYS[k])}" for k in unknown if k in MOVED_MODEL_KEYS]
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (" + "".join(m + "; " for m in moved)
+                          + "python scripts/train.py --help lists the groups; each group's keys are the fields of "
+                          "its dataclass)")
     try:
         return OmegaConf.to_object(cfg)
     except Exception as exc:  # OmegaConf wraps the dataclasses' ValueError
@@ -286,6 +297,9 @@ def config_drift(saved: dict | None, current: dict) -> list[str]:
     if not saved:
         return []
     old, new = _flatten(saved), _flatten(current)
+    for key, moved_to in MOVED_MODEL_KEYS.items():  # a checkpoint written before the layer configs nested
+        if key in old:
+            old.update({k: old[key] for k in moved_to})
     return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
             if k not in RESUME_SAFE_KEYS and old[k] != new[k]]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda_cp.layers import AttentionConfig, KDAConfig
 from tests._dist import run_ranks
 from test_cp_gpu import _fp64_reference, _inputs, _unsharded_tilelang, check_cp
 from tests._utils import assert_close
@@ -106,8 +107,9 @@ def test_cp_chunk_kda_nccl_matches_one_gpu(P, T, lengths, cu, aligned, gates, ex
 # loss and summed parameter gradients on P GPUs vs one GPU. Shards are multiples of the chunk size, so
 # the KDA layers run the same chunks; what differs is the CP exchange and bf16 rounding of the
 # shard-wise weight-gradient sums.
-HYBRID = dict(d_model=256, n_layers=4, num_heads=8, head_dim=128, chunk_size=64, layer_pattern="KKKA",
-              backend="tilelang")
+HYBRID = dict(d_model=256, n_layers=4, layer_pattern="KKKA",
+              kda=KDAConfig(num_heads=8, head_dim=128, chunk_size=64, backend="tilelang"),
+              attention=AttentionConfig(num_heads=8, head_dim=128))
 LOSS_TOL, LOGIT_TOL, GRAD_TOL = 2e-3, 1e-2, 2e-2
 
 

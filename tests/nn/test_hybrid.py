@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kda_cp.parallel import CPContext, parallelize
-from kda_cp.layers import AttentionConfig, AttentionLayer
+from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig
 from kda_cp.model import KDALanguageModel, ModelConfig
 from kda_cp.parallel.attention import causal_attention, cp_attention
 
@@ -55,7 +55,8 @@ def test_cp_attention_matches_unsharded(lengths):
         torch.testing.assert_close(got, ref, rtol=1e-11, atol=1e-11, msg=lambda m: f"{name}: {m}")
 
 
-HYBRID = dict(d_model=32, n_layers=4, num_heads=2, head_dim=16, chunk_size=16, layer_pattern="KKKA")
+HYBRID = dict(d_model=32, n_layers=4, layer_pattern="KKKA", kda=KDAConfig(num_heads=2, head_dim=16, chunk_size=16),
+              attention=AttentionConfig(num_heads=2, head_dim=16))
 
 
 def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):

@@ -49,15 +49,15 @@ def test_layer_bad_input():
     with pytest.raises(ValueError, match="g_min"):
         KDAConfig(g_min=-6.0)
     with pytest.raises(ValueError, match="input_ids"):
-        KDALanguageModel(ModelConfig(d_model=32, n_layers=1, num_heads=2, head_dim=16))(torch.randn(2, 5))
+        KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16)))(torch.randn(2, 5))
 
 
 def test_model_shapes():
-    model = KDALanguageModel(ModelConfig(d_model=32, n_layers=2, num_heads=2, head_dim=16, chunk_size=16))
+    model = KDALanguageModel(ModelConfig(d_model=32, n_layers=2, kda=KDAConfig(num_heads=2, head_dim=16, chunk_size=16)))
     logits = model(torch.randint(0, 256, (2, 21)))
     assert logits.shape == (2, 21, 256)
     assert model.head.weight is model.embed.weight
-    untied = KDALanguageModel(ModelConfig(d_model=32, n_layers=1, num_heads=2, head_dim=16, tie_embeddings=False))
+    untied = KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16), tie_embeddings=False))
     assert untied.head.weight is not untied.embed.weight
 
 
@@ -100,7 +100,7 @@ def test_layer_cp_matches_unsharded(lengths, cu):
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
 
 
-MODEL_CFG = dict(d_model=32, n_layers=2, num_heads=2, head_dim=16, chunk_size=16)
+MODEL_CFG = dict(d_model=32, n_layers=2, kda=KDAConfig(num_heads=2, head_dim=16, chunk_size=16))
 
 
 def _model_body(rank, world_size, state, ids, dlogits):

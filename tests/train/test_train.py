@@ -175,8 +175,9 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
         ("optim.min_lr_ratio=2.0", "optim.min_lr_ratio"),
         ("optim.warmup_steps=-1", "optim.warmup_steps"),
         ("optim.beta2=1.0", "optim.beta2"),
-        ("model.chunk_size=40", "chunk_size"),
-        ("model.backend=cuda", "KDAConfig.backend"),
+        ("model.kda.chunk_size=40", "chunk_size"),
+        ("model.kda.backend=cuda", "KDAConfig.backend"),
+        ("model.kda.d_model=64", "model.kda.d_model=64 differs from model.d_model"),
         ("model.mlp_hidden=0", "ModelConfig.mlp_hidden"),
         ("model.init_std=-1", "ModelConfig.init_std"),
         ("parallel.device=tpu", "parallel.device"),
@@ -204,6 +205,8 @@ def test_unknown_keys_are_rejected():
         train(_cfg(TINY + ["parallel.cp=1", "+trainer.foo=1"]))
     with pytest.raises(ConfigError, match="Could not override 'trainer.foo'"):
         compose_config(["trainer.foo=1"])
+    with pytest.raises(ConfigError, match=r"model\.num_heads is now model\.kda\.num_heads and model\.attention\.num_heads"):
+        compose_config(["model.num_heads=8"])
 
 
 def test_layer_patterns_that_fit():
@@ -232,7 +235,7 @@ def test_deepspeed_and_experiment_configs_compose():
     assert OmegaConf.to_object(_cfg([])).deepspeed.stage == 0
     exp = OmegaConf.to_object(_cfg(["+experiment=h200_hybrid_64k"]))
     assert (exp.data.seq_len, exp.model.layer_pattern, exp.parallel.cp, exp.trainer.precision) == (65536, "KKKA", 1, "bf16")
-    assert exp.model.backend == "auto" and exp.parallel.device == "cuda" and exp.trainer.max_steps >= 200
+    assert exp.model.kda.backend == "auto" and exp.parallel.device == "cuda" and exp.trainer.max_steps >= 200
 
 
 def test_bf16_autocast_hybrid_runs(tmp_path):
@@ -243,3 +246,19 @@ def test_bf16_autocast_hybrid_runs(tmp_path):
     fp32 = _in_process(tmp_path / "fp32", ["trainer.precision=fp32", "model.layer_pattern=KA", "trainer.max_steps=4"])
     assert losses[0] != _losses(tmp_path / "fp32")[0]  # autocast did change the arithmetic
     assert abs(summary["val_loss"] - fp32["val_loss"]) < 0.05
+
+
+def test_resume_compares_a_flat_model_config_with_the_nested_one():
+    """A checkpoint's config written with model.num_heads (before the layer configs nested) is
+    compared key by key with model.kda.num_heads / model.attention.num_heads: a change refuses the
+    resume, the same values do not."""
+    from dataclasses import asdict
+
+    from kda_cp.train.config import config_drift
+
+    now = asdict(to_train_config(_cfg(TINY)))
+    old = {**now, "model": {k: v for k, v in now["model"].items() if k not in ("kda", "attention")}}
+    old["model"].update(num_heads=2, head_dim=16, chunk_size=16)
+    assert config_drift(old, now) == []
+    old["model"]["num_heads"] = 8
+    assert config_drift(old, now) == ["model.attention.num_heads (8 -> 2)", "model.kda.num_heads (8 -> 2)"]

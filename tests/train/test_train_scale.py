@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 20
 # Tiny hybrid model ("KA": a KDA and an attention block), 4 heads so ulysses runs at cp = 4.
-TINY = tiny_train(model__num_heads=4, model__head_dim=8, model__layer_pattern="KA", trainer__max_steps=STEPS,
+TINY = tiny_train(model__kda__num_heads=4, model__kda__head_dim=8, model__attention__num_heads=4,
+                  model__attention__head_dim=8, model__layer_pattern="KA", trainer__max_steps=STEPS,
                   parallel__timeout_s=60)
 LAYOUTS = {"dp2xcp2": 2, "dp1xcp4": 4, "dp4xcp1": 1}
 CONFIGS = {
