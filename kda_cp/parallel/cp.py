@@ -268,31 +268,60 @@ def _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, pr
     return grads, rows
 
 
+def _forward_stages(backend, opts, plan, q, k, v, g, beta, h0):
+    """The forward of one shard as a coroutine, driven by cp_chunk_kda (over the group) and by
+    cp_chunk_kda_in_one_process (over stacked shards): yields (pair, overlap) for the exclusive
+    scan (overlap: work to run while the pairs are in flight, or None), receives the incoming
+    state, returns (o, ht, h0_local, prepared)."""
+    sdt = h0.dtype
+    role = _summary_role(plan, opts)
+    if role == "forward_first":  # nothing flows in: run now, hand the final state over
+        prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
+        o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None, prepared)
+        yield _handover_pair(plan, ht, sdt), None
+        return o, ht, h0_local, prepared
+    if role == "unused":  # the state-independent work runs while the pairs are in flight
+        later = []
+        s_in = yield _unused_pair(plan, k, v, sdt), lambda: later.append(
+            _shard_prepare(backend, opts, plan, q, k, v, g, beta))
+        prepared = later[0]
+    else:  # the summary derives from the chunk-local tensors, which the forward then reuses
+        prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
+        s_in = yield _shard_pair(backend, opts, plan, prepared, h0), None
+    o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
+    return o, ht, h0_local, prepared
+
+
+def _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept):
+    """The backward of one shard as a coroutine: yields its state gradient G (the S part of the
+    transposed pair), receives the reverse-scan suffix, returns (grads, dh0 rows or None)."""
+    dht = _inner_dht(plan, dfinal, h0_local)
+    prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept)
+    G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal, prepared)
+    suffix = yield G
+    dht = _end_dht(plan, suffix, dfinal, dht, G)
+    return _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared)
+
+
+def _resume(stages, value):
+    """Send ``value`` into a stage coroutine waiting at its one yield; its return value."""
+    try:
+        stages.send(value)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a CP stage coroutine yielded twice")
+
+
 class CPChunkKDAFunction(torch.autograd.Function):
     """Autograd of cp_chunk_kda. Collectives run in forward and backward on every rank."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
-        sdt = reference._compute_dtype(q.dtype)
-        h0 = h0.to(sdt)
-        role = _summary_role(plan, opts)
-        if role == "forward_first":
-            prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
-            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, None, prepared)
-            pair = _handover_pair(plan, ht, sdt)
-            _exclusive(pair, plan, group, reverse=False)  # takes part; nothing flows in
-        elif role == "unused":
-            prepared = []  # the state-independent work runs while the pairs are in flight
-            pair = _unused_pair(plan, k, v, sdt)
-            s_in = _exclusive(pair, plan, group, reverse=False,
-                              overlap=lambda: prepared.append(_shard_prepare(backend, opts, plan, q, k, v, g, beta))).S
-            prepared = prepared[0]
-            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
-        else:  # the summary derives from the chunk-local tensors, which the forward then reuses
-            prepared = _shard_prepare(backend, opts, plan, q, k, v, g, beta)
-            pair = _shard_pair(backend, opts, plan, prepared, h0)
-            s_in = _exclusive(pair, plan, group, reverse=False).S
-            o, ht, h0_local = _shard_forward(backend, opts, plan, q, k, v, g, beta, h0, s_in, prepared)
+        h0 = h0.to(reference._compute_dtype(q.dtype))
+        stages = _forward_stages(backend, opts, plan, q, k, v, g, beta, h0)
+        pair, overlap = next(stages)
+        s_in = _exclusive(pair, plan, group, reverse=False, overlap=overlap).S
+        o, ht, h0_local, prepared = _resume(stages, s_in)
         kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
         del prepared
         ctx.save_for_backward(q, k, v, g, beta, h0_local, *kept)
@@ -313,13 +342,10 @@ class CPChunkKDAFunction(torch.autograd.Function):
             dfinal = _sum_over_ranks(dfinal.to(h0_local.dtype), group, plan.size)
         else:
             dfinal = None
-        dht = _inner_dht(plan, dfinal, h0_local)
-        prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept)
-        G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal, prepared)
+        stages = _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept)
+        G = next(stages)
         suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
-        dht = _end_dht(plan, suffix, dfinal, dht, G)
-        grads, dh0 = _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared)
-        del prepared
+        grads, dh0 = _resume(stages, suffix)
         if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.
             dh0 = _sum_over_ranks(dh0, group, plan.size)
@@ -580,39 +606,32 @@ def cp_chunk_kda_in_one_process(
         return x[:, a:b].contiguous()
 
     ins = [[shard(x, r) for x in (q, k, v, g, beta)] for r in range(world_size)]
-    outs, pairs, preps = [None] * world_size, [], [None] * world_size
-    for r in range(world_size):  # the same roles as the distributed op (_summary_role)
-        role = _summary_role(plans[r], opts)
-        preps[r] = _shard_prepare(impl, opts, plans[r], *ins[r])
-        if role == "forward_first":
-            outs[r] = _shard_forward(impl, opts, plans[r], *ins[r], h0, None, preps[r])
-            pairs.append(_handover_pair(plans[r], outs[r][1], sdt))
-        elif role == "unused":
-            pairs.append(_unused_pair(plans[r], ins[r][1], ins[r][2], sdt))
-        else:
-            pairs.append(_shard_pair(impl, opts, plans[r], preps[r], h0))
+    # the distributed op's stages for every shard, the exchange replaced by stacking the pairs
+    stages = [_forward_stages(impl, opts, plans[r], *ins[r], h0) for r in range(world_size)]
+    pairs = []
+    for st in stages:
+        pair, overlap = next(st)
+        if overlap is not None:
+            overlap()
+        pairs.append(pair)
     maps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs]))
-    for r in range(world_size):  # every shard's prepared tensors are alive here, as on P ranks
-        # each rank's own fold of the gathered pairs, as cp_chunk_kda computes it after an all-gather
-        s_in = scan.prefix_at(maps, r, scan_method).S
-        outs[r] = outs[r] or _shard_forward(impl, opts, plans[r], *ins[r], h0, s_in, preps[r])
-        preps[r] = impl.keep_for_backward(preps[r])  # what the backward need not recompute
+    # each rank's own fold of the gathered pairs, as cp_chunk_kda computes it after an all-gather;
+    # every shard's prepared tensors are alive here, as on P ranks
+    outs = [_resume(st, scan.prefix_at(maps, r, scan_method).S) for r, st in enumerate(stages)]
+    kept = [impl.keep_for_backward(out[3]) for out in outs]  # what the backward need not recompute
+    outs = [out[:3] for out in outs]
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
         return o, final, None
     dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
-    dos = [shard(do, r) for r in range(world_size)]
-    dhts = [_inner_dht(plans[r], dfin, outs[r][2]) for r in range(world_size)]
-    preps = [_backward_prepare(impl, opts, plans[r], *ins[r], preps[r]) for r in range(world_size)]
-    Gs = [_shard_state_grad(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dhts[r], dfin, preps[r])
-          for r in range(world_size)]
-    tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs))
+    stages = [_backward_stages(impl, opts, plans[r], *ins[r], outs[r][2], shard(do, r), dfin, kept[r])
+              for r in range(world_size)]
+    del kept
+    tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([next(st) for st in stages]))
     grads, dh0 = [], None
-    for r in range(world_size):
-        dht = _end_dht(plans[r], scan.transposed_suffix_at(tmaps, r, scan_method), dfin, dhts[r], Gs[r])
-        gr, rows = _shard_backward(impl, opts, plans[r], *ins[r], outs[r][2], dos[r], dht, preps[r])
-        preps[r] = None
+    for r, st in enumerate(stages):
+        gr, rows = _resume(st, scan.transposed_suffix_at(tmaps, r, scan_method))
         grads.append(gr)
         if rows is not None:
             dh0 = rows if dh0 is None else dh0 + rows
