@@ -96,6 +96,27 @@ def perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
+_LOOP_HEADER = re.compile(r"for \(int (\w+) = 0; \1 < (\w+); \+\+\1\) \{")
+
+
+def loop_headers(src, var, extent=None):
+    """Headers of the generated loops over the kernel's own loop variable ``var`` (matched with any
+    numeric suffix TileLang adds, var_1, var_2, ...), with this constant ``extent`` when given."""
+    out = []
+    for m in _LOOP_HEADER.finditer(src):
+        if re.fullmatch(rf"{var}(?:_\d+)?", m.group(1)) and (extent is None or m.group(2) == str(extent)):
+            out.append(m.group(0))
+    return out
+
+
+def mma_loop(src, var="c"):
+    """Header of the loop over ``var`` that issues the asynchronous MMAs (the consumer's loop of
+    a warp-specialised kernel, whose producer loop runs over the same variable)."""
+    loops = [h for h in loop_headers(src, var) if "warpgroup_commit_batch" in loop_text(src, h)]
+    assert len(loops) == 1, f"expected one MMA loop over {var}, found {loops}"
+    return loops[0]
+
+
 def loop_text(src, loop_header):
     """The text of the loop of generated CUDA that opens with `loop_header` (up to its closing brace)."""
     start = src.index(loop_header)

@@ -7,7 +7,7 @@ the "dk" kernel's GEMMs take bf16 operands.
 import shutil
 
 import pytest
-from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, async_mma_events
+from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, async_mma_events, loop_headers
 
 pytestmark = pytest.mark.compile
 
@@ -40,14 +40,14 @@ def test_bwd_dv_compiles(K, dtype):
     assert "wgmma" in src
     # deC's row sum on every thread, a part of the V columns each (one thread per row over all V
     # columns, the others waiting: 1.54 ms at S1 on an H200 against 1.43)
-    assert f"for (int j = 0; j < {K}; ++j)" not in src and "dec_s" in src
+    assert not loop_headers(src, "j", K) and "dec_s" in src
 
 
 @pytest.mark.parametrize("K,dtype", CONFIGS, ids=IDS)
 def test_bwd_ut_compiles(K, dtype):
     src = build_bwd_ut_kernel(None, K, K, 64, dtype).get_kernel_source()
     assert "wgmma" in src
-    assert "for (int I = 0; I < 4; ++I)" in src  # the sub-chunk loop is not unrolled (1.5x slower)
+    assert loop_headers(src, "I", 4)  # the sub-chunk loop is not unrolled (1.5x slower)
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
     # g, k and the chunk tiles come in by TMA, the scan waiting for g alone (S1 on an H200 1.58 ->
     # 1.45 ms, same bits); no per-thread global loads of them remain
@@ -71,7 +71,7 @@ def test_bwd_dk_compiles(K, dtype):
     assert "wgmma_ss" in src and "mma_sync" not in src
     assert "__launch_bounds__(256, 2)" in src  # <= 128 registers: two blocks per SM (1.5x faster than one)
     # the sub-chunk loops (row side by J, column side by I) are not unrolled (1.5x slower)
-    assert "for (int J = 0; J < 4; ++J)" in src and "for (int I = 0; I < 4; ++I)" in src
+    assert loop_headers(src, "J", 4) and loop_headers(src, "I", 4)
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
     # the gate cumsums run on every thread, and the per-channel sum of Kd dKd inside the reverse one:
     # a 64-thread scan and a row reduction (eight AllReduce rounds, each with a barrier) would make
@@ -87,7 +87,8 @@ def test_bwd_dk_orders_async_mmas_and_table_stores(K, dtype):
     over I) every table store must follow the MMAs' wait and a barrier, and every MMA a barrier
     and a proxy fence after the stores (tests/_utils.assert_async_mma_order)."""
     src = build_bwd_dk_kernel(None, K, 64, dtype, scale=K ** -0.5).get_kernel_source()
-    for loop in ("for (int J = 0; J < 4; ++J) {", "for (int I = 0; I < 4; ++I) {"):
+    (row_loop,), (col_loop,) = loop_headers(src, "J", 4), loop_headers(src, "I", 4)
+    for loop in (row_loop, col_loop):
         events = async_mma_events(src, loop)
         assert sum(e[0] == "issue" for e in events) == 4 and sum(e[0] == "wait" for e in events) == 1, events
         assert_async_mma_order(events)

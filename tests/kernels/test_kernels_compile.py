@@ -12,7 +12,8 @@ import re
 import shutil
 
 import pytest
-from tests._utils import NEGATIVE_GAM_OFFSET, assert_async_mma_order, assert_released_after_wait, async_mma_events
+from tests._utils import (NEGATIVE_GAM_OFFSET, assert_async_mma_order, assert_released_after_wait, async_mma_events,
+                          loop_headers, mma_loop)
 
 pytestmark = [pytest.mark.compile, pytest.mark.slow]
 
@@ -32,7 +33,7 @@ def test_intra_compiles(K, dtype):
     # the sub-chunk row blocks stay loops: unrolled, the kernel stalled on instruction fetch (2.4x
     # slower); two loops, the first half of the row blocks over the first half of the columns (their
     # sub-chunks: one m16n8 MMA tile per warp instead of two; S1 on an H200 1.375 -> 1.340 ms)
-    assert "for (int I = 0; I < 2; ++I)" in src and "for (int I_1 = 0; I_1 < 2; ++I_1)" in src
+    assert len(loop_headers(src, "I", 2)) == 2
     assert src.count("tl::mma_sync<") == 3
     assert not NEGATIVE_GAM_OFFSET.search(src), "a read of gam_s before its start (row I*16 - 1 for I = 0)"
     # W and U leave through shared memory by TMA (the fragment's 4-byte stores were 11% of the
@@ -105,9 +106,9 @@ def test_state_output_compiles(K, dtype, with_h0, store_ht, launch):
     if launch == (64, 128):
         assert src.count("tl::wgmma_rs<") == 4 and "tl::wgmma_ss<" not in src
         assert shared == {"w_s", "u_s", "qg_s", "kd_s", "aqk_s", "ec_s", "o_s"}
-        assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
+        assert_released_after_wait(src, mma_loop(src))
     else:  # three chunks of the TMA-fed tiles in flight (two: the next chunk's loads were late)
-        assert "c_1 % 3" in src and "c_1 & 1" not in src
+        assert re.search(r"\bc(?:_\d+)? % 3", src) and not re.search(r"\bc(?:_\d+)? & 1", src)
 
 
 @pytest.mark.parametrize("K,launch", [(128, (32, 256)), (64, (16, 128)), (128, (64, 128))])
@@ -129,7 +130,7 @@ def test_state_output_releases_tiles_after_its_mmas(K, launch):
     after_partial = src[src.index("wait_wgmma<1>();"):].splitlines()[1]
     assert "warpgroup_fence_operand" in after_partial and "vn_f" in after_partial, \
         "V' must be read only after the wait for its MMA (operand fence)"
-    assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
+    assert_released_after_wait(src, mma_loop(src))
 
 
 @pytest.mark.parametrize("early", ["mbarrier[3].arrive();", "mbarrier[3].arrive(0, p);", "tl::mbarrier_arrive(b);",
@@ -200,7 +201,7 @@ def test_cp_summary_kernel_compiles(K, dtype, operands):
         assert src.count("tl::wgmma_rs<") == 4 and "tl::wgmma_ss<" not in src
         shared = set(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src))
         assert shared == {"w_s", "kd_s", "u_s", "ec_s"} and src.count("tl::tma_load(") == 4
-        assert_released_after_wait(src, "for (int c_1 = 0; c_1 < nc_1; ++c_1) {")
+        assert_released_after_wait(src, mma_loop(src))
     else:
         assert "kTensorFloat32" in src
         assert "kBFloat16, tl::DataType::kBFloat16" not in src and "kFloat16, tl::DataType::kFloat16" not in src
@@ -223,8 +224,8 @@ def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
     shared operand must come after the wait of the last MMA group that read it and a block barrier
     after that wait (else the other warpgroup's MMA may still read it), and every MMA group must
     come after a barrier and a proxy fence that follow the last store into what it reads."""
-    assert_async_mma_order(async_mma_events(build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands)
-                                            .get_kernel_source(), "for (int c = 0; c < nc; ++c) {"))
+    src = build_summary_kernel(None, K, K, 64, dtype=dtype, operands=operands).get_kernel_source()
+    assert_async_mma_order(async_mma_events(src, mma_loop(src)))
 
 
 @pytest.mark.parametrize("backward", [False, True])
