@@ -11,7 +11,7 @@ Per head h, for input x_t in R^D (Kimi Linear, arXiv:2510.26692, Eqs. 15-16; Kim
                                                     + beta_t k_t v_t^T,   o~_t = K^-1/2 S_t^T q_t
     y_t      = W_o [Sigmoid(W_og x_t) * RMSNorm(o~_t)]            per-head RMSNorm        (Eq. 16, K3 Eq. 18)
 
-ShortConv is the causal depthwise convolution of width 4 (:func:`kda_cp.parallel.conv.causal_conv1d`);
+ShortConv is the causal depthwise convolution of width 4 (:func:`kda_cp.parallel.layers.conv.causal_conv1d`);
 under context parallelism it fetches its W-1 token halo from the previous rank, and the KDA op is
 :func:`kda_cp.parallel.cp_chunk_kda`, so a layer on a sharded sequence equals the unsharded layer.
 The output gate is full rank by default (K3 Eq. 18); ``output_gate_rank`` gives the low-rank form
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from kda_cp import glue
 from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
-from kda_cp.parallel.attention import cp_attention
-from kda_cp.parallel.context import CP_STRATEGIES, CPContext
-from kda_cp.parallel.conv import agree_conv_inputs, causal_conv1d, halo_exchange
+from kda_cp.parallel.layers.attention import cp_attention
+from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
+from kda_cp.parallel.layers.conv import agree_conv_inputs, causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda
-from kda_cp.parallel.ulysses import ulysses_kda
+from kda_cp.parallel.layers.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
 
@@ -289,7 +289,7 @@ class AttentionLayer(nn.Module):
 
     Under CP (its ``cp`` context, set by :func:`kda_cp.parallel.parallelize`), K and V are
     all-gathered over the CP group and this rank's queries attend with the causal offset of their
-    global positions (:func:`kda_cp.parallel.attention.cp_attention`); both CP strategies use this
+    global positions (:func:`kda_cp.parallel.layers.attention.cp_attention`); both CP strategies use this
     path.
 
     Forward: x [B, T_r, D] (collective under CP) -> y [B, T_r, D].

@@ -9,7 +9,7 @@ positional encoding: ``layer_pattern`` is repeated over the blocks, "K" for KDA 
 attention ("KKKA": 3 KDA layers per attention layer, Kimi Linear's ratio; "K": KDA only).
 
 Every op is position-wise except the KDA layer's short convolution and recurrence and the attention
-layers, all exact under context parallelism (:mod:`kda_cp.layers`, :mod:`kda_cp.parallel.attention`).
+layers, all exact under context parallelism (:mod:`kda_cp.layers`, :mod:`kda_cp.parallel.layers.attention`).
 So rank r of a CP group can run the model on its contiguous shard of the tokens and get exactly its
 slice of the unsharded logits.
 """

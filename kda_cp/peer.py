@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from kda_cp.layers import KDAConfig
-from kda_cp.parallel.context import CPContext
+from kda_cp.parallel.layers.context import CPContext
 
 __all__ = ["FlaKDALayer"]
 

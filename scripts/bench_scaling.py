@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from kda_cp.parallel import cp_chunk_kda
-from kda_cp.parallel.ulysses import ulysses_kda
+from kda_cp.parallel.layers.ulysses import ulysses_kda
 
 G_MIN = -5.0
 

@@ -1,17 +1,16 @@
-"""Context parallelism: the sharded KDA op, sharding helpers, the exchange, and the sequence-parallel
-pieces of a model (short-conv halo, attention over the gathered sequence, Ulysses), and the
-CPContext that :func:`parallelize` sets on a model's layers.
+"""Context parallelism, by level: the sharded KDA op with its exchange, packed-sequence metadata and
+sharding helpers (cp.py, exchange.py, varlen.py, sharding.py), and one level up the model's layers
+under CP (kda_cp.parallel.layers: the CPContext that :func:`parallelize` sets on them, the
+short-conv halo, attention over the gathered sequence, Ulysses). Both are re-exported here.
 
 Of the model code, only this package touches torch.distributed (the trainer's side, the dp x cp
 mesh and the engines, is kda_cp.train).
 """
 
-from kda_cp.parallel.attention import all_gather_sequence, cp_attention
-from kda_cp.parallel.context import CPContext, parallelize
-from kda_cp.parallel.conv import causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda, cp_chunk_kda_in_one_process
+from kda_cp.parallel.layers import (CPContext, all_gather_sequence, causal_conv1d, cp_attention, halo_exchange,
+                                    head_to_seq, parallelize, seq_to_head, ulysses_kda)
 from kda_cp.parallel.sharding import gather_sequence, shard_bounds, shard_lengths, shard_sequence, split_sequence
-from kda_cp.parallel.ulysses import head_to_seq, seq_to_head, ulysses_kda
 from kda_cp.parallel.varlen import ShardSegments, shard_segments
 
 __all__ = [

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from kda_cp.data import DataConfig
-from kda_cp.parallel.context import CP_STRATEGIES, ULYSSES_IMPLS
+from kda_cp.parallel.layers.context import CP_STRATEGIES, ULYSSES_IMPLS
 from kda_cp.model import ModelConfig
 
 __all__ = [

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from kda_cp.checkpoint import CheckpointManager
 from kda_cp.data import ByteCorpus, unigram_entropy
 from kda_cp.model import KDALanguageModel, train_flops_per_token
-from kda_cp.parallel.context import CPContext, parallelize
+from kda_cp.parallel.layers.context import CPContext, parallelize
 from kda_cp.train.config import ConfigError, TrainConfig, TrainerConfig, drift_message, one_line, to_train_config
 from kda_cp.train.distributed import Layout, agree, broadcast_object, init_distributed
 from kda_cp.train.engine import build_engine

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from kda_cp.parallel.conv import causal_conv1d
+from kda_cp.parallel.layers.conv import causal_conv1d
 
 from tests._dist import run_ranks
 
@@ -70,7 +70,7 @@ def test_bad_input():
 def _cp_body(rank, world_size, x, w, b, lengths, dy, cu_seqlens):
     import torch.distributed as dist
 
-    from kda_cp.parallel.conv import causal_conv1d
+    from kda_cp.parallel.layers.conv import causal_conv1d
 
     group = dist.group.WORLD
     start = sum(lengths[:rank])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kda_cp.ops import chunk_kda
-from kda_cp.parallel.ulysses import resolve_impl, ulysses_kda
+from kda_cp.parallel.layers.ulysses import resolve_impl, ulysses_kda
 
 from tests._deepspeed import require_deepspeed
 from tests._dist import run_ranks

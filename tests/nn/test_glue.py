@@ -11,7 +11,7 @@ from kda_cp.parallel import CPContext, parallelize
 from kda_cp import glue
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.ops import chunk_kda
-from kda_cp.parallel.conv import causal_conv1d
+from kda_cp.parallel.layers.conv import causal_conv1d
 
 from tests._utils import perturbed
 

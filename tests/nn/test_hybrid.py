@@ -8,7 +8,7 @@ import torch
 from kda_cp.parallel import CPContext, parallelize
 from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig
 from kda_cp.model import KDALanguageModel, ModelConfig
-from kda_cp.parallel.attention import causal_attention, cp_attention
+from kda_cp.parallel.layers.attention import causal_attention, cp_attention
 
 from tests._dist import run_ranks
 from tests._utils import perturbed

@@ -20,7 +20,7 @@ Two implementations of the exchange, same numbers:
   ``torch.distributed.all_to_all_single`` (supported by gloo and NCCL).
 
 Shards must be equal (T % P == 0): the all-to-all exchanges equal blocks. The short convolution
-before the op still needs its halo from the previous rank (:mod:`kda_cp.parallel.conv`).
+before the op still needs its halo from the previous rank (:mod:`kda_cp.parallel.layers.conv`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from kda_cp.parallel.exchange import group_rank_and_size
 __all__ = ["CPContext", "parallelize", "CP_STRATEGIES", "ULYSSES_IMPLS"]
 
 #: "scan": the affine prefix scan over ranks (kda_cp.parallel.cp_chunk_kda); "ulysses": the
-#: head-parallel all-to-all (kda_cp.parallel.ulysses; needs num_heads % P == 0 and equal shards).
+#: head-parallel all-to-all (kda_cp.parallel.layers.ulysses; needs num_heads % P == 0 and equal shards).
 CP_STRATEGIES = ("scan", "ulysses")
 #: The all-to-all behind "ulysses": DeepSpeed's when installed ("auto"), or torch's.
 ULYSSES_IMPLS = ("auto", "deepspeed", "torch")
