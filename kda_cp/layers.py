@@ -5,7 +5,8 @@ Per head h, for input x_t in R^D (Kimi Linear, arXiv:2510.26692, Eqs. 15-16; Kim
     q_t, k_t = L2Norm(SiLU(ShortConv(W_{q/k} x_t)))        per head, over the K channels   (Eq. 15)
     v_t      = SiLU(ShortConv(W_v x_t))                                                      (Eq. 15)
     g_t      = g_min * Sigmoid(exp(A_h) * (W_g_up W_g_down x_t + b_g)),  g_min = -5          (K3 Eq. 17)
-    alpha_t  = exp(g_t) in (exp(g_min), 1)^K                      per-channel decay
+               or, with g_min None, -exp(A_h) * Softplus(W_g_up W_g_down x_t + b_g)     (Kimi Linear)
+    alpha_t  = exp(g_t) in (0, 1)^K                               per-channel decay
     beta_t   = Sigmoid(W_beta x_t)                                write strength           (Eq. 15)
     o~_t     = KDA(q, k, v, g, beta)_t       S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1}
                                                     + beta_t k_t v_t^T,   o~_t = K^-1/2 S_t^T q_t
@@ -58,8 +59,10 @@ class KDAConfig:
     """Rank of the low-rank decay-gate projection W_g_up W_g_down; None means head_dim (Kimi Linear)."""
     output_gate_rank: int | None = None
     """Rank of the sigmoid output gate; None means full rank (K3 Eq. 18)."""
-    g_min: float = -5.0
-    """Lower bound of the per-step log decay g = g_min * sigmoid(.), in [-5, 0) (K3 Eq. 17)."""
+    g_min: float | None = -5.0
+    """Lower bound of the per-step log decay g = g_min * sigmoid(.), in [-5, 0) (K3 Eq. 17); None:
+    the unbounded gate g = -exp(A_log) * softplus(.) of the released Kimi Linear checkpoints (the
+    op then runs on the torch backend: the kernels need a bound)."""
     decay_init_min: float = 1e-3
     """Initial -g spans [decay_init_min, decay_init_max] log-uniformly over channels (like Mamba's dt)."""
     decay_init_max: float = 0.1
@@ -75,8 +78,8 @@ class KDAConfig:
         for name in ("d_model", "num_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not -5.0 <= self.g_min < 0.0:
-            raise ValueError(f"KDAConfig.g_min must be in [-5, 0), got {self.g_min}")
+        if self.g_min is not None and not -5.0 <= self.g_min < 0.0:
+            raise ValueError(f"KDAConfig.g_min must be in [-5, 0) or None, got {self.g_min}")
         if self.conv_size < 0:
             raise ValueError(f"KDAConfig.conv_size must be >= 0, got {self.conv_size}")
         for name in ("value_dim", "gate_rank", "output_gate_rank"):
@@ -90,7 +93,7 @@ class KDAConfig:
             raise ValueError(f"KDAConfig.{exc}") from None
         if self.backend not in BACKENDS:
             raise ValueError(f"KDAConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not 0 < self.decay_init_min <= self.decay_init_max < -self.g_min:
+        if not 0 < self.decay_init_min <= self.decay_init_max < (math.inf if self.g_min is None else -self.g_min):
             raise ValueError(
                 "KDAConfig needs 0 < decay_init_min <= decay_init_max < -g_min, got "
                 f"{self.decay_init_min}, {self.decay_init_max}, g_min={self.g_min}"
@@ -200,10 +203,14 @@ class KDALayer(nn.Module):
         decay = torch.exp(
             torch.linspace(math.log(c.decay_init_min), math.log(c.decay_init_max), n)[torch.randperm(n)]
         )
-        self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
+        if c.g_min is None:  # -softplus(b) = -decay at z = 0, A_log = 0
+            self.g_up.bias.copy_(torch.log(torch.expm1(decay)))
+        else:
+            self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] in (g_min, 0).
+        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] in (g_min, 0); with
+        g_min None, g = -exp(A_h) * softplus(W_up W_down x + b) < 0.
 
         Computed and returned in fp32 (fp64 when x is fp64).
         """
@@ -247,7 +254,8 @@ class KDALayer(nn.Module):
         q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, H * V), K, c.norm_eps, halo=halo, lags=lags)
         z = F.linear(zd, self.g_up.weight).view(B, T, H, K)
         g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b)
-        # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] and beta in
+        # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] (or is the
+        # softplus gate's -exp(.) * softplus(.) <= 0, which declares no bound) and beta in
         # [0, 1] by construction, and a NaN from upstream reaches the loss, which training checks
         # every step; the checks would cost a read of q, k, v, g and a device sync per layer.
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)

@@ -30,6 +30,24 @@ def test_layer_shapes_and_gate():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
 
 
+def test_softplus_gate_layer():
+    """g_min=None: the released Kimi Linear gate, unbounded below (A_log = log 16 pushes g past -5),
+    initialised to the same decay range as the bounded one."""
+    layer = KDALayer(KDAConfig(**{**CFG, "g_min": None}))
+    x = torch.randn(2, 37, 32)
+    g0 = layer.gate(torch.zeros(1, 1, 32))
+    assert (-g0 >= 0.999e-3).all() and (-g0 <= 0.1001).all()
+    with torch.no_grad():
+        layer.A_log.fill_(torch.log(torch.tensor(16.0)))
+    g = layer.gate(10 * x)
+    assert (g < 0).all() and (g < -5).any()
+    y = layer(x)
+    y.square().mean().backward()
+    assert torch.isfinite(y).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    with pytest.raises(ValueError, match=r"g_min must be in \[-5, 0\) or None"):
+        KDAConfig(**{**CFG, "g_min": -6.0})
+
+
 def test_layer_is_causal():
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**CFG)), 1)
@@ -61,11 +79,11 @@ def test_model_shapes():
     assert untied.head.weight is not untied.embed.weight
 
 
-def _layer_body(rank, world_size, state, x, dy, lengths, cu=None):
+def _layer_body(rank, world_size, state, x, dy, lengths, cu=None, cfg=CFG):
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    layer = KDALayer(KDAConfig(**CFG)).double()
+    layer = KDALayer(KDAConfig(**cfg)).double()
     layer.load_state_dict(state)
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
@@ -75,15 +93,21 @@ def _layer_body(rank, world_size, state, x, dy, lengths, cu=None):
     return {"y": y_r.detach(), "dx": x_r.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
 
 
-@pytest.mark.parametrize("lengths,cu", [
-    ([29, 21], None), ([10, 25, 15], None),
+SOFTPLUS = {**CFG, "g_min": None}  # Kimi Linear's unbounded gate g = -exp(A_log) * softplus(.)
+
+
+@pytest.mark.parametrize("lengths,cu,cfg", [
+    ([29, 21], None, CFG), ([10, 25, 15], None, CFG),
     # packed sequences crossing rank boundaries, one starting 1 and 2 tokens before a shard (inside the conv halo)
-    ([29, 21], [0, 3, 27, 50]), ([10, 25, 15], [0, 9, 12, 33, 34, 50]), ([13, 12, 14, 11], [0, 11, 12, 37, 50]),
-    ([20, 2, 1, 27], [0, 21, 22, 50]),  # shards shorter than the conv's halo of 3 rows
-], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards"])
-def test_layer_cp_matches_unsharded(lengths, cu):
+    ([29, 21], [0, 3, 27, 50], CFG), ([10, 25, 15], [0, 9, 12, 33, 34, 50], CFG),
+    ([13, 12, 14, 11], [0, 11, 12, 37, 50], CFG),
+    ([20, 2, 1, 27], [0, 21, 22, 50], CFG),  # shards shorter than the conv's halo of 3 rows
+    ([10, 25, 15], [0, 9, 12, 33, 34, 50], SOFTPLUS), ([13, 12, 14, 11], None, SOFTPLUS),
+], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards", "p3-packed-softplus",
+        "p4-softplus"])
+def test_layer_cp_matches_unsharded(lengths, cu, cfg):
     torch.manual_seed(0)
-    layer = perturbed(KDALayer(KDAConfig(**CFG)), 7)
+    layer = perturbed(KDALayer(KDAConfig(**cfg)), 7)
     T = sum(lengths)
     B = 1 if cu else 2
     x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
@@ -92,7 +116,7 @@ def test_layer_cp_matches_unsharded(lengths, cu):
     (y * dy).sum().backward()
     state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
 
-    res = run_ranks(_layer_body, len(lengths), state, x.detach(), dy, lengths, cu)
+    res = run_ranks(_layer_body, len(lengths), state, x.detach(), dy, lengths, cu, cfg)
     torch.testing.assert_close(torch.cat([r["y"] for r in res], 1), y.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(torch.cat([r["dx"] for r in res], 1), x.grad, rtol=1e-10, atol=1e-10)
     for name, p in layer.named_parameters():

@@ -1,0 +1,146 @@
+"""Weights of a KDA layer in the layouts of flash-linear-attention and of the Kimi Linear checkpoints.
+
+kda_cp's :class:`kda_cp.layers.KDALayer` stacks W_q, W_k, W_v into one projection and their three
+short convolutions into one; the other layouts keep them apart and name the low-rank gates
+differently. The math is the same, so a state dict converts both ways without loss:
+
+    kda_cp            fla (KimiDeltaAttention)        kimi (Kimi Linear / HF)
+    qkv_proj          q_proj, k_proj, v_proj           q_proj, k_proj, v_proj
+    qkv_conv [C, W]   q/k/v_conv1d [C, 1, W]           q/k/v_conv1d [C, 1, W]
+    g_down, g_up      f_proj.0, f_proj.1               f_a_proj, f_b_proj
+    g_up.bias         dt_bias                          dt_bias
+    A_log [H]         A_log [H]                        A_log [1, 1, H, 1]
+    b_proj            b_proj                           b_proj
+    og_proj.0, .1     g_proj.0, g_proj.1 (with bias)   g_a_proj, g_b_proj (no bias: zero)
+    o_norm, o_proj    o_norm, o_proj                   o_norm, o_proj
+
+The gate form is the layer config's (``KDAConfig.g_min``): a bound for the peer's
+``safe_gate=True, lower_bound=g_min`` layers, None for the softplus gate of the released Kimi
+Linear models. The layer config must have ``output_gate_rank`` set to the checkpoint's output-gate
+rank (fla: head_v_dim; Kimi Linear: head_dim).
+
+    sd = import_kda_state_dict(fla_layer.state_dict(), config, layout="fla")
+    KDALayer(config).load_state_dict(sd)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kda_cp.layers import KDAConfig
+
+__all__ = ["LAYOUTS", "import_kda_state_dict", "export_kda_state_dict"]
+
+LAYOUTS = ("fla", "kimi")
+
+_GATES = {  # kda_cp name -> layout name of the two low-rank gates (and the decay gate's bias)
+    "fla": {"g_down.weight": "f_proj.0.weight", "g_up.weight": "f_proj.1.weight", "g_up.bias": "dt_bias",
+            "og_proj.0.weight": "g_proj.0.weight", "og_proj.1.weight": "g_proj.1.weight",
+            "og_proj.1.bias": "g_proj.1.bias"},
+    "kimi": {"g_down.weight": "f_a_proj.weight", "g_up.weight": "f_b_proj.weight", "g_up.bias": "dt_bias",
+             "og_proj.0.weight": "g_a_proj.weight", "og_proj.1.weight": "g_b_proj.weight"},
+}
+_SAME = ("b_proj.weight", "o_norm.weight", "o_proj.weight")
+
+
+def _shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
+    """The kda_cp layer's parameter shapes (the checks of both directions)."""
+    c = config
+    if c.output_gate_rank is None:
+        raise ValueError("the fla and kimi layouts have a low-rank output gate: set KDAConfig.output_gate_rank "
+                         "to its rank (fla: head_v_dim; Kimi Linear: head_dim)")
+    D, H, K, V = c.d_model, c.num_heads, c.head_dim, c.v_dim
+    R, Ro = (K if c.gate_rank is None else c.gate_rank), c.output_gate_rank
+    return {"qkv_proj.weight": (H * (2 * K + V), D), "qkv_conv.weight": (H * (2 * K + V), c.conv_size),
+            "g_down.weight": (R, D), "g_up.weight": (H * K, R), "g_up.bias": (H * K,), "A_log": (H,),
+            "b_proj.weight": (H, D), "og_proj.0.weight": (Ro, D), "og_proj.1.weight": (H * V, Ro),
+            "og_proj.1.bias": (H * V,), "o_norm.weight": (V,), "o_proj.weight": (D, H * V)}
+
+
+def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], layout: str) -> torch.Tensor:
+    if name not in sd:
+        raise ValueError(f"{layout} state dict has no {name!r} (keys: {sorted(sd)[:20]}...)")
+    t = sd[name]
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{layout} state dict: {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def _check_layout(layout: str, config: KDAConfig) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if config.conv_size < 1:
+        raise ValueError("the fla and kimi layouts have short convolutions: KDAConfig.conv_size must be >= 1")
+
+
+def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, layout: str = "fla"
+                          ) -> dict[str, torch.Tensor]:
+    """A KDALayer state dict from one layer's ``sd`` in ``layout`` ("fla" or "kimi", module
+    docstring), keys without a prefix; tensors keep their dtype.
+
+    Raises:
+        ValueError: an unknown layout, a missing key, a shape that does not fit ``config``, a
+            convolution bias (kda_cp's short convolution has none), or keys left over.
+    """
+    _check_layout(layout, config)
+    shapes = _shapes(config)
+    c = config
+    HK, HV, W = c.num_heads * c.head_dim, c.num_heads * c.v_dim, c.conv_size
+    out, used = {}, set()
+
+    def take(name, shape):
+        used.add(name)
+        return _take(sd, name, shape, layout)
+
+    out["qkv_proj.weight"] = torch.cat([take("q_proj.weight", (HK, c.d_model)), take("k_proj.weight", (HK, c.d_model)),
+                                        take("v_proj.weight", (HV, c.d_model))])
+    for part in ("q", "k", "v"):
+        if f"{part}_conv1d.bias" in sd:
+            raise ValueError(f"{layout} state dict has {part}_conv1d.bias: kda_cp's short convolution has no bias")
+    out["qkv_conv.weight"] = torch.cat([take(f"{p}_conv1d.weight", (n, 1, W))[:, 0]
+                                        for p, n in (("q", HK), ("k", HK), ("v", HV))])
+    for ours, theirs in _GATES[layout].items():
+        out[ours] = take(theirs, shapes[ours])
+    if layout == "kimi":  # no output-gate bias: zero; A_log stored as [1, 1, H, 1]
+        out["og_proj.1.bias"] = torch.zeros(shapes["og_proj.1.bias"], dtype=out["og_proj.1.weight"].dtype)
+        out["A_log"] = take("A_log", (1, 1, c.num_heads, 1)).reshape(c.num_heads)
+    else:
+        out["A_log"] = take("A_log", shapes["A_log"])
+    for name in _SAME:
+        out[name] = take(name, shapes[name])
+    left = sorted(set(sd) - used)
+    if left:
+        raise ValueError(f"{layout} state dict has keys this layer does not have: {left}")
+    return {k: v.clone() for k, v in out.items()}
+
+
+def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, layout: str = "fla"
+                          ) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`import_kda_state_dict`: a KDALayer state dict in ``layout``.
+
+    Raises:
+        ValueError: an unknown layout, a missing key or a shape that does not fit ``config``, or
+            (layout "kimi", which has no output-gate bias) a nonzero og_proj.1.bias.
+    """
+    _check_layout(layout, config)
+    shapes = _shapes(config)
+    c = config
+    HK = c.num_heads * c.head_dim
+    t = {name: _take(sd, name, shape, "kda_cp") for name, shape in shapes.items()}
+    q, k, v = t["qkv_proj.weight"].split([HK, HK, c.num_heads * c.v_dim])
+    out = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
+    for p, w in zip("qkv", t["qkv_conv.weight"].split([HK, HK, c.num_heads * c.v_dim])):
+        out[f"{p}_conv1d.weight"] = w[:, None, :]
+    for ours, theirs in _GATES[layout].items():
+        out[theirs] = t[ours]
+    if layout == "kimi":
+        if t["og_proj.1.bias"].abs().max() > 0:
+            raise ValueError("the kimi layout has no output-gate bias, but og_proj.1.bias is nonzero")
+        out["A_log"] = t["A_log"].reshape(1, 1, c.num_heads, 1)
+    else:
+        out["A_log"] = t["A_log"]
+    for name in _SAME:
+        out[name] = t[name]
+    return {k: v.clone() for k, v in out.items()}
