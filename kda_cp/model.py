@@ -57,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the input embedding and the output head weights."""
     norm_eps: float = 1e-6
-    """Epsilon of the blocks' RMSNorms (the KDA layers' own eps is kda.norm_eps)."""
+    """Epsilon of the blocks' RMSNorms, and of the KDA layers' unless kda.norm_eps is set apart."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights (output projections scaled by 1/sqrt(2 n_layers))."""
 
@@ -71,6 +71,8 @@ class ModelConfig:
                 raise ValueError(f"model.{name}.d_model={sub.d_model} differs from model.d_model={self.d_model}: "
                                  "the layers take the model's width, set model.d_model")
             setattr(self, name, dataclasses.replace(sub, d_model=self.d_model))
+        if self.kda.norm_eps == KDAConfig.norm_eps:  # one eps for the whole model unless kda.norm_eps is set
+            self.kda = dataclasses.replace(self.kda, norm_eps=self.norm_eps)
         if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
             raise ValueError(
                 f"model.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (attention), "

@@ -116,8 +116,10 @@ def check_inputs(
     g_min: float | None = -5.0,
     *,
     layout_warning: bool = True,
+    allow_neg_eigval: bool = False,
 ) -> None:
     """Validate KDA inputs; raise ValueError naming the argument, its shape and what was expected.
+    With ``allow_neg_eigval`` beta may lie in [0, 2] (else [0, 1]).
 
     ``layout_warning``: warn once when T < H (a likely head-first layout); CP shards may be short.
     """
@@ -192,10 +194,12 @@ def check_inputs(
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise ValueError(f"{name} must be finite; min = {lo:.4g}, max = {hi:.4g} (NaN or Inf in the input)")
         lo, hi = ranges["beta"]
-        if lo < 0 or hi > 1:
+        top = 2 if allow_neg_eigval else 1
+        if lo < 0 or hi > top:
             raise ValueError(
-                f"beta (the write strength, sigmoid of a projection) must lie in [0, 1]; min = {lo:.4g}, max = {hi:.4g}. "
-                "Pass check_gate=False to skip the value checks"
+                f"beta (the write strength, sigmoid of a projection) must lie in [0, {top}]"
+                f"{' (allow_neg_eigval)' if allow_neg_eigval else ' (allow_neg_eigval=True allows [0, 2])'}; "
+                f"min = {lo:.4g}, max = {hi:.4g}. Pass check_gate=False to skip the value checks"
             )
 
 
@@ -409,7 +413,7 @@ def dense_on_cuda(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0,
-                chunk_size: int = 64) -> Backend:
+                chunk_size: int = 64, allow_neg_eigval: bool = False) -> Backend:
     """Resolve a backend name for these inputs.
 
     "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
@@ -432,6 +436,8 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
         kernels, why = None, "the kernels need a declared gate bound g_min in [-5, 0), got g_min=None"
     elif chunk_size != 64:
         kernels, why = None, f"the kernels use chunk_size 64, got {chunk_size}"
+    elif allow_neg_eigval:
+        kernels, why = None, "beta in [0, 2] (allow_neg_eigval) is not yet verified on the kernels"
     elif not all(x.is_contiguous() for x in (q, k, v, g, beta)):
         kernels, why = None, "the kernels need contiguous q, k, v, g, beta"
     if kernels is not None:
@@ -442,6 +448,23 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
         raise NotImplementedError(f"the TileLang backend does not cover these inputs: {why}")
     _warn_once(f"chunk_kda falls back to the torch backend on CUDA: {why}")
     return _TORCH
+
+
+def expand_value_heads(q, k, v):
+    """GVA (grouped value attention): with v [B, T, HV, V] and q, k [B, T, H, K], HV a multiple of
+    H, value head j reads key head j // (HV / H); q and k are repeated to HV heads (differentiable:
+    their gradients sum over each group). Returns (q, k) unchanged when HV == H.
+
+    Raises:
+        ValueError: HV not a multiple of H.
+    """
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)) or v.shape[2] == q.shape[2]:
+        return q, k
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H or k.shape != q.shape:
+        raise ValueError(f"v has HV = {HV} value heads and q, k have H = {H} heads {list(q.shape)}, {list(k.shape)}: "
+                         "grouped value attention needs HV a multiple of H and k shaped like q")
+    return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
 
 
 def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
@@ -572,6 +595,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
 
@@ -581,9 +605,10 @@ def chunk_kda(
     Args:
         q, k: [B, T, H, K], fp32/fp64 (any backend) or bf16/fp16 (TileLang on Hopper).
             k is expected L2-normalized per head (the layer does this), though not required.
-        v: [B, T, H, V], q's dtype.
+        v: [B, T, H, V], q's dtype; or [B, T, HV, V] with HV a multiple of H (GVA: value head j
+            reads key head j // (HV / H); g, beta, the states and o then have HV heads).
         g: [B, T, H, K], natural-log decay per step, fp32 (g <= 0). Not cumsummed.
-        beta: [B, T, H], write strength in (0, 1).
+        beta: [B, T, H], write strength in [0, 1] (in [0, 2] with allow_neg_eigval).
         scale: output scale; default K ** -0.5.
         initial_state: [N, H, K, V], fp32; N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the state after the last token of each sequence.
@@ -606,6 +631,9 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid.
             These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
             differentiable in every input, A_log and dt_bias included.
+        allow_neg_eigval: beta may lie in [0, 2] (negative eigenvalues of the transition,
+            flash-linear-attention's allow_neg_eigval; the torch backend until the kernels are
+            verified for it).
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -625,19 +653,21 @@ def chunk_kda(
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # a list of offsets
         cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64,
                                   device=q.device if isinstance(q, torch.Tensor) else None)
+    q, k = expand_value_heads(q, k, v)
     if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
             or dt_bias is not None:
         q, k, g, beta = apply_input_options(
             q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min)
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min,
+                 allow_neg_eigval=allow_neg_eigval)
     check_scale(scale)
     q, k, v, g, beta = dense_on_cuda(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size)
+    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size, allow_neg_eigval)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

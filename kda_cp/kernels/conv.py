@@ -217,6 +217,8 @@ def conv_supported(x, weight, splits, head_dim) -> tuple[bool, str]:
         return False, f"x must be bf16/fp16 [B, T, C] with unit channel stride, got {x.dtype} {tuple(x.shape)}"
     if len(set(splits)) != 1 or head_dim not in (64, 128) or splits[0] % head_dim or weight is None:
         return False, f"splits {splits} with head_dim {head_dim}: need H*K == H*V, K in (64, 128), a conv weight"
+    if not 2 <= weight.shape[1] < TILE:
+        return False, f"conv width {weight.shape[1]}: the kernels need 2 <= W < {TILE}"
     return True, ""
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from kda_cp import reference, scan
 from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_inputs,
+                        expand_value_heads,
                         check_scale, chunk_kda, dense_on_cuda, first_order_only, get_backend)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
@@ -378,6 +379,7 @@ def cp_chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
@@ -439,6 +441,7 @@ def cp_chunk_kda(
     rank, size = group_rank_and_size(cp_group)
     error, cu_code, unsupported = None, [0, 0], None
     try:
+        q, k = expand_value_heads(q, k, v)
         if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
                 or dt_bias is not None:
             q, k, g, beta = apply_input_options(
@@ -456,20 +459,22 @@ def cp_chunk_kda(
             if initial_state is not None and initial_state.shape[0] != n_seq:
                 raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
                                  f"got {list(initial_state.shape)}")
-            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False)
+            check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False,
+                         allow_neg_eigval=allow_neg_eigval)
             if initial_state is not None:  # shape and device (as for one sequence), then values
                 check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min,
                              layout_warning=False)
                 if check_gate and initial_state.numel() and not bool(torch.isfinite(initial_state).all()):
                     raise ValueError("initial_state must be finite (NaN or Inf in the input)")
         else:
-            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min, layout_warning=False)
+            check_inputs(q, k, v, g, beta, initial_state, None, chunk_size, check_gate, g_min, layout_warning=False,
+                         allow_neg_eigval=allow_neg_eigval)
         if q.shape[1] < 1:
             raise ValueError("every rank's shard must hold at least one token (T_r >= 1)")
         check_scale(scale)
         exchange_kind = choose_exchange(exchange, size)
         dense = dense_on_cuda(q, k, v, g, beta)
-        impl = get_backend(backend, *dense, None, g_min, chunk_size)  # a bad backend fails here, on its rank
+        impl = get_backend(backend, *dense, None, g_min, chunk_size, allow_neg_eigval)  # a bad backend fails here
     except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
         exchange_kind = "allgather"
@@ -481,7 +486,7 @@ def cp_chunk_kda(
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device)
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
-                         check_gate=False, g_min=g_min)
+                         check_gate=False, g_min=g_min, allow_neg_eigval=allow_neg_eigval)
     ok_shapes = error is None
     shape = list(q.shape) if ok_shapes else [0, 0, 0, 0]
     V = v.shape[-1] if ok_shapes else 0
@@ -491,7 +496,8 @@ def cp_chunk_kda(
                float_code(scale) if ok_shapes else 0, float_code(g_min) if ok_shapes else 0, *cu_code,
                tensor_digest(initial_state) if ok_shapes and size > 1 else 0,
                int(use_qk_l2norm_in_kernel), int(use_gate_in_kernel), int(use_beta_sigmoid_in_kernel),
-               tensor_digest(A_log) if ok_shapes else 0, tensor_digest(dt_bias) if ok_shapes else 0]
+               tensor_digest(A_log) if ok_shapes else 0, tensor_digest(dt_bias) if ok_shapes else 0,
+               int(allow_neg_eigval)]
     device = q.device if ok_shapes else None
     try:
         table = agree_or_raise(same + options + [shape[1]], error, cp_group, "cp_chunk_kda", device=device)
@@ -511,7 +517,8 @@ def cp_chunk_kda(
     differ = (table[:, 1 + n_same:-1] != table[0, 1 + n_same:-1]).any(dim=0).tolist()
     if any(differ):
         names = ["exchange", "scan_method", "scale", "g_min", "len(cu_seqlens)", "cu_seqlens", "initial_state",
-                 "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "A_log", "dt_bias"]
+                 "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "A_log", "dt_bias",
+                 "allow_neg_eigval"]
         raise ValueError(
             f"cp_chunk_kda: ranks disagree on the options [{', '.join(n for n, d in zip(names, differ) if d)}]; every "
             "rank of the group must pass the same values (initial_state, cu_seqlens, A_log and dt_bias are "

@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         show = "--cfg" in argv
         cfg = compose_config([a for a in argv if a != "--cfg"])
         if show:
-            to_train_config(cfg)
-            print(OmegaConf.to_yaml(cfg))
+            print(OmegaConf.to_yaml(OmegaConf.structured(to_train_config(cfg))))  # nested d_model filled in
             return 0
         summary = train(cfg)
         if rank == 0:

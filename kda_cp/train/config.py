@@ -274,7 +274,7 @@ register_configs()
 RESUME_SAFE_KEYS = (
     "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.run_dir", "trainer.runs_root", "trainer.resume", "trainer.progress",
-    "trainer.plot", "trainer.peak_tflops", "data.val_batches", "model.backend", "parallel.backend",
+    "trainer.plot", "trainer.peak_tflops", "data.val_batches", "model.kda.backend", "parallel.backend",
     "parallel.device", "parallel.timeout_s", "parallel.threads_per_rank", "parallel.strategy",
     "parallel.ulysses_impl", "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
     "deepspeed.overlap_comm", "deepspeed.contiguous_gradients", "deepspeed.param_persistence_threshold",
@@ -300,6 +300,8 @@ def config_drift(saved: dict | None, current: dict) -> list[str]:
     for key, moved_to in MOVED_MODEL_KEYS.items():  # a checkpoint written before the layer configs nested
         if key in old:
             old.update({k: old[key] for k in moved_to})
+    if "model.num_heads" in old and "model.norm_eps" in old:  # flat configs: one eps for the blocks and layers
+        old["model.kda.norm_eps"] = old["model.norm_eps"]
     return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
             if k not in RESUME_SAFE_KEYS and old[k] != new[k]]
 

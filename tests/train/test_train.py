@@ -260,5 +260,9 @@ def test_resume_compares_a_flat_model_config_with_the_nested_one():
     old = {**now, "model": {k: v for k, v in now["model"].items() if k not in ("kda", "attention")}}
     old["model"].update(num_heads=2, head_dim=16, chunk_size=16)
     assert config_drift(old, now) == []
+    old["model"]["backend"] = "torch"  # an execution key: may change on resume
+    assert config_drift(old, now) == []
     old["model"]["num_heads"] = 8
-    assert config_drift(old, now) == ["model.attention.num_heads (8 -> 2)", "model.kda.num_heads (8 -> 2)"]
+    old["model"]["norm_eps"] = 1e-5  # the flat config's eps was the KDA layers' eps too
+    assert config_drift(old, now) == ["model.attention.num_heads (8 -> 2)", "model.kda.norm_eps (1e-05 -> 1e-06)",
+                                      "model.kda.num_heads (8 -> 2)", "model.norm_eps (1e-05 -> 1e-06)"]

@@ -49,6 +49,12 @@ class CPContext:
         if self.ulysses_impl not in ULYSSES_IMPLS:
             raise ValueError(f"CPContext.ulysses_impl must be one of {ULYSSES_IMPLS}, got {self.ulysses_impl!r}")
 
+    def __deepcopy__(self, memo):  # a process group is shared, never copied (EMA copies of a model)
+        return self
+
+    def __reduce__(self):  # pickled without its process group: re-run parallelize after loading
+        return (CPContext, (None, self.strategy, self.ulysses_impl))
+
     def rank_and_size(self) -> tuple[int, int]:
         """(this rank's index in the group, the group's size); (0, 1) when unsharded."""
         return group_rank_and_size(self.group)
@@ -57,6 +63,8 @@ class CPContext:
 def parallelize(model: nn.Module, ctx: CPContext | None = None) -> nn.Module:
     """Set ``ctx`` on every submodule of ``model`` that runs differently under CP (those with a
     ``cp`` attribute: KDALayer, AttentionLayer, ShortConv, the peer's layer). None unshards.
+    Modules added to ``model`` afterwards keep their own (unsharded) context: parallelize last.
+    A deep copy shares the context; a pickled one drops its process group.
 
     Returns:
         ``model`` (modified in place).
