@@ -125,7 +125,7 @@ def resolve_impl(impl: str) -> str:
             return "torch"
         return "deepspeed"
     if impl not in ("deepspeed", "torch"):
-        raise ValueError(f"ulysses_kda's impl must be 'auto', 'deepspeed' or 'torch', got {impl!r}")
+        raise ValueError(f"ulysses_impl must be 'auto', 'deepspeed' or 'torch', got {impl!r}")
     return impl
 
 
