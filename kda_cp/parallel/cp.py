@@ -624,9 +624,11 @@ def cp_chunk_kda_in_one_process(
     maps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([p.S for p in pairs]))
     # each rank's own fold of the gathered pairs, as cp_chunk_kda computes it after an all-gather;
     # every shard's prepared tensors are alive here, as on P ranks
-    outs = [_resume(st, scan.prefix_at(maps, r, scan_method).S) for r, st in enumerate(stages)]
-    kept = [impl.keep_for_backward(out[3]) for out in outs]  # what the backward need not recompute
-    outs = [out[:3] for out in outs]
+    outs, kept = [], []
+    for r, st in enumerate(stages):
+        out = _resume(st, scan.prefix_at(maps, r, scan_method).S)
+        kept.append(impl.keep_for_backward(out[3]))  # trimmed at once: what the backward need not recompute
+        outs.append(out[:3])
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if do is None:
