@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -96,6 +97,9 @@ def compose_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(one_line(exc)) from exc
 
 
+SHARED_ERROR_WAIT_S = 30  # how long a rank other than 0 waits for rank 0 to print a shared error
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (see USAGE); returns the exit status: 0, or 1 after printing one error line."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             who = "" if shared or world == 1 else f"rank {rank}: "
             name = "" if isinstance(exc, (ConfigError, CheckpointWriteError)) else f"{type(exc).__name__}: "
             print(f"error: {who}{name}{one_line(exc)}", file=sys.stderr, flush=True)
+        else:
+            # Rank 0 reports this error; exiting first would let torchrun stop rank 0 before it prints.
+            # torchrun ends this wait as soon as rank 0 exits.
+            time.sleep(SHARED_ERROR_WAIT_S)
         status = 1
     finally:
         if dist.is_initialized():
