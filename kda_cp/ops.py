@@ -413,7 +413,7 @@ def dense_on_cuda(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: float | None = -5.0,
-                chunk_size: int = 64, allow_neg_eigval: bool = False) -> Backend:
+                chunk_size: int = 64) -> Backend:
     """Resolve a backend name for these inputs.
 
     "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
@@ -436,8 +436,6 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
         kernels, why = None, "the kernels need a declared gate bound g_min in [-5, 0), got g_min=None"
     elif chunk_size != 64:
         kernels, why = None, f"the kernels use chunk_size 64, got {chunk_size}"
-    elif allow_neg_eigval:
-        kernels, why = None, "beta in [0, 2] (allow_neg_eigval) is not yet verified on the kernels"
     elif not all(x.is_contiguous() for x in (q, k, v, g, beta)):
         kernels, why = None, "the kernels need contiguous q, k, v, g, beta"
     if kernels is not None:
@@ -632,8 +630,7 @@ def chunk_kda(
             These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
             differentiable in every input, A_log and dt_bias included.
         allow_neg_eigval: beta may lie in [0, 2] (negative eigenvalues of the transition,
-            flash-linear-attention's allow_neg_eigval; the torch backend until the kernels are
-            verified for it).
+            flash-linear-attention's allow_neg_eigval); every backend.
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -667,7 +664,7 @@ def chunk_kda(
     V = v.shape[-1]
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
-    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size, allow_neg_eigval)
+    impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

@@ -474,7 +474,7 @@ def cp_chunk_kda(
         check_scale(scale)
         exchange_kind = choose_exchange(exchange, size)
         dense = dense_on_cuda(q, k, v, g, beta)
-        impl = get_backend(backend, *dense, None, g_min, chunk_size, allow_neg_eigval)  # a bad backend fails here
+        impl = get_backend(backend, *dense, None, g_min, chunk_size)  # a bad backend fails here
     except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
         exchange_kind = "allgather"
