@@ -2,7 +2,7 @@
 
 Usage (on a Hopper GPU):
     python scripts/bench_layer.py --out bench_layer.json [--shapes L1 L2 L3] [--repeats 10]
-        [--profile] [--no-fla]
+        [--profile] [--no-fla] [--compiled-glue]
 
 Shapes (head_dim 128, bf16 weights and input): L1 = (B=1, T=32768, D=2048, H=16),
 L2 = (B=1, T=65536, D=1024, H=8), L3 = (B=2, T=16384, D=2304, H=32); "tiny" runs anywhere.
@@ -18,12 +18,15 @@ that runs torch.compile's and the peer's autotuning, reported as warmup_s):
     fwd_ms      forward under no_grad
     fwd_bwd_ms  forward, then torch.autograd.grad of <y, dy> for x and every parameter
     peak_MiB    allocator peak during forward+backward above the memory in use before it
-With --profile, CUDA time per kernel (torch.profiler, mean of 3 calls) of each layer's
+With --compiled-glue, kda_cp's layer is timed a second time with KDA_CP_GLUE_KERNELS=0 (its
+conv + SiLU + L2Norm through torch.compile instead of the TileLang conv kernels), row "kda_cp
+compiled glue". With --profile, CUDA time per kernel (torch.profiler, mean of 3 calls) of each layer's
 forward+backward, printed and stored under "profile". Prints a markdown table, writes JSON to --out.
 """
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -41,6 +44,7 @@ LAYER_SHAPES = {
     "tiny": dict(B=1, T=300, D=256, H=2),
 }
 HEAD_DIM = 128
+IMPLS = ("kda_cp", "kda_cp compiled glue", "fla")
 
 
 def layer_config(D, H, backend):
@@ -92,7 +96,7 @@ def measure(layer, x, dy, repeats, profile):
     return row
 
 
-def bench_shape(name, repeats, profile, with_fla):
+def bench_shape(name, repeats, profile, with_fla, compiled_glue=False):
     s = LAYER_SHAPES[name]
     B, T, D, H = s["B"], s["T"], s["D"], s["H"]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,6 +118,13 @@ def bench_shape(name, repeats, profile, with_fla):
                 prm.mul_(1 + 0.1 * torch.randn_like(prm))
         copy_from_fla(ours, peer)
     out["kda_cp"] = measure(ours, x, dy, repeats, profile)
+    if compiled_glue:
+        saved = os.environ.get("KDA_CP_GLUE_KERNELS", "all")
+        os.environ["KDA_CP_GLUE_KERNELS"] = "0"  # read per call by kda_cp.glue
+        try:
+            out["kda_cp compiled glue"] = measure(ours, x, dy, repeats, profile)
+        finally:
+            os.environ["KDA_CP_GLUE_KERNELS"] = saved
     if peer is not None:
         out["fla"] = measure(peer, x, dy, repeats, profile)
         y_a, dx_a = ours(x), None
@@ -135,7 +146,7 @@ def print_rows(rows):
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["shape"]["name"]
-        for impl in ("kda_cp", "fla"):
+        for impl in IMPLS:
             if impl not in r:
                 continue
             m = r[impl]
@@ -155,6 +166,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--compiled-glue", action="store_true")
     ap.add_argument("--out", default="bench_layer.json")
     args = ap.parse_args()
     with_fla = not args.no_fla
@@ -175,12 +187,12 @@ def main():
         meta["fla"] = getattr(fla, "__version__", "?")
     rows = []
     for name in args.shapes:
-        rows.append(bench_shape(name, args.repeats, args.profile, with_fla))
+        rows.append(bench_shape(name, args.repeats, args.profile, with_fla, args.compiled_glue))
         if args.profile:
-            for impl in ("kda_cp", "fla"):
+            for impl in IMPLS:
                 if "profile" in rows[-1].get(impl, {}):
                     print_table(f"{name} {impl} forward+backward", rows[-1][impl]["profile"])
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kda_cp", "fla")}), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in IMPLS}), flush=True)
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print_rows(rows)

@@ -8,7 +8,8 @@
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
 # "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
 # compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes);
-# "layer": the layer's GPU tests and bench_layer.py (LAYER_SHAPES, LAYER_PROFILE=1 for --profile);
+# "layer": the layer's GPU tests, tests/ops/test_op_options_gpu.py and bench_layer.py --compiled-glue (LAYER_SHAPES,
+# LAYER_PROFILE=1 for --profile);
 # "hybrid": bench_hybrid.py (the 64k hybrid model with kda_cp's and with the peer's layer). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log.
 set -uo pipefail
@@ -43,10 +44,11 @@ for step in $STEPS; do
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     layer)
-      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py
+      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
+        tests/ops/test_op_options_gpu.py
       tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
-        ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"
+        --compiled-glue ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"
       grep -E "^\| |rel RMS" "$OUT/bench_layer.log" | tee -a "$OUT/summary.log" ;;
     hybrid)
       run bench_hybrid ${BENCH_LIMIT:-600} python scripts/bench_hybrid.py --steps ${HYBRID_STEPS:-40} \
