@@ -9,7 +9,7 @@ differently. The math is the same, so a state dict converts both ways without lo
     qkv_conv [C, W]   q/k/v_conv1d [C, 1, W]           q/k/v_conv1d [C, 1, W]
     g_down, g_up      f_proj.0, f_proj.1               f_a_proj, f_b_proj
     g_up.bias         dt_bias                          dt_bias
-    A_log [H]         A_log [H]                        A_log [1, 1, H, 1]
+    A_log [HV]        A_log [HV]                       A_log [1, 1, HV, 1]
     b_proj            b_proj                           b_proj
     og_proj.0, .1     g_proj.0, g_proj.1 (with bias)   g_a_proj, g_b_proj (no bias: zero)
     o_norm, o_proj    o_norm, o_proj                   o_norm, o_proj
@@ -17,7 +17,8 @@ differently. The math is the same, so a state dict converts both ways without lo
 The gate form is the layer config's (``KDAConfig.g_min``): a bound for the peer's
 ``safe_gate=True, lower_bound=g_min`` layers, None for the softplus gate of the released Kimi
 Linear models. The layer config must have ``output_gate_rank`` set to the checkpoint's output-gate
-rank (fla: head_v_dim; Kimi Linear: head_dim).
+rank (fla: head_v_dim; Kimi Linear: head_dim), and ``num_v_heads`` to the checkpoint's value heads
+HV (fla's num_v_heads; HV = H without GVA).
 
     sd = import_kda_state_dict(fla_layer.state_dict(), config, layout="fla")
     KDALayer(config).load_state_dict(sd)
@@ -51,12 +52,13 @@ def _shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
     if c.output_gate_rank is None:
         raise ValueError("the fla and kimi layouts have a low-rank output gate: set KDAConfig.output_gate_rank "
                          "to its rank (fla: head_v_dim; Kimi Linear: head_dim)")
-    D, H, K, V = c.d_model, c.num_heads, c.head_dim, c.v_dim
+    D, H, HV, K, V = c.d_model, c.num_heads, c.v_heads, c.head_dim, c.v_dim
     R, Ro = (K if c.gate_rank is None else c.gate_rank), c.output_gate_rank
-    return {"qkv_proj.weight": (H * (2 * K + V), D), "qkv_conv.weight": (H * (2 * K + V), c.conv_size),
-            "g_down.weight": (R, D), "g_up.weight": (H * K, R), "g_up.bias": (H * K,), "A_log": (H,),
-            "b_proj.weight": (H, D), "og_proj.0.weight": (Ro, D), "og_proj.1.weight": (H * V, Ro),
-            "og_proj.1.bias": (H * V,), "o_norm.weight": (V,), "o_proj.weight": (D, H * V)}
+    C = 2 * H * K + HV * V
+    return {"qkv_proj.weight": (C, D), "qkv_conv.weight": (C, c.conv_size),
+            "g_down.weight": (R, D), "g_up.weight": (HV * K, R), "g_up.bias": (HV * K,), "A_log": (HV,),
+            "b_proj.weight": (HV, D), "og_proj.0.weight": (Ro, D), "og_proj.1.weight": (HV * V, Ro),
+            "og_proj.1.bias": (HV * V,), "o_norm.weight": (V,), "o_proj.weight": (D, HV * V)}
 
 
 def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], layout: str) -> torch.Tensor:
@@ -87,7 +89,7 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     _check_layout(layout, config)
     shapes = _shapes(config)
     c = config
-    HK, HV, W = c.num_heads * c.head_dim, c.num_heads * c.v_dim, c.conv_size
+    HK, HV, W = c.num_heads * c.head_dim, c.v_heads * c.v_dim, c.conv_size
     out, used = {}, set()
 
     def take(name, shape):
@@ -105,7 +107,7 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
         out[ours] = take(theirs, shapes[ours])
     if layout == "kimi":  # no output-gate bias: zero; A_log stored as [1, 1, H, 1]
         out["og_proj.1.bias"] = torch.zeros(shapes["og_proj.1.bias"], dtype=out["og_proj.1.weight"].dtype)
-        out["A_log"] = take("A_log", (1, 1, c.num_heads, 1)).reshape(c.num_heads)
+        out["A_log"] = take("A_log", (1, 1, c.v_heads, 1)).reshape(c.v_heads)
     else:
         out["A_log"] = take("A_log", shapes["A_log"])
     for name in _SAME:
@@ -129,16 +131,16 @@ def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     c = config
     HK = c.num_heads * c.head_dim
     t = {name: _take(sd, name, shape, "kda_cp") for name, shape in shapes.items()}
-    q, k, v = t["qkv_proj.weight"].split([HK, HK, c.num_heads * c.v_dim])
+    q, k, v = t["qkv_proj.weight"].split([HK, HK, c.v_heads * c.v_dim])
     out = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
-    for p, w in zip("qkv", t["qkv_conv.weight"].split([HK, HK, c.num_heads * c.v_dim])):
+    for p, w in zip("qkv", t["qkv_conv.weight"].split([HK, HK, c.v_heads * c.v_dim])):
         out[f"{p}_conv1d.weight"] = w[:, None, :]
     for ours, theirs in _GATES[layout].items():
         out[theirs] = t[ours]
     if layout == "kimi":
         if t["og_proj.1.bias"].abs().max() > 0:
             raise ValueError("the kimi layout has no output-gate bias, but og_proj.1.bias is nonzero")
-        out["A_log"] = t["A_log"].reshape(1, 1, c.num_heads, 1)
+        out["A_log"] = t["A_log"].reshape(1, 1, c.v_heads, 1)
     else:
         out["A_log"] = t["A_log"]
     for name in _SAME:

@@ -48,7 +48,10 @@ class KDAConfig:
     d_model: int = 128
     """Model width D (input and output features)."""
     num_heads: int = 4
-    """Number of KDA heads H."""
+    """Number of KDA heads H (q and k heads)."""
+    num_v_heads: int | None = None
+    """Value heads HV, a multiple of H (grouped value attention: value head j reads key head
+    j // (HV / H); v, g, beta, the output gate and the states have HV heads); None means H."""
     head_dim: int = 32
     """Key/query head dimension K (the state is K x V per head)."""
     value_dim: int | None = None
@@ -82,9 +85,12 @@ class KDAConfig:
             raise ValueError(f"KDAConfig.g_min must be in [-5, 0) or None, got {self.g_min}")
         if self.conv_size < 0:
             raise ValueError(f"KDAConfig.conv_size must be >= 0, got {self.conv_size}")
-        for name in ("value_dim", "gate_rank", "output_gate_rank"):
+        for name in ("num_v_heads", "value_dim", "gate_rank", "output_gate_rank"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"KDAConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.v_heads % self.num_heads:
+            raise ValueError(f"KDAConfig.num_v_heads must be a multiple of num_heads = {self.num_heads} "
+                             f"(grouped value attention), got {self.num_v_heads}")
         if not self.norm_eps > 0:
             raise ValueError(f"KDAConfig.norm_eps must be > 0, got {self.norm_eps}")
         try:
@@ -102,6 +108,10 @@ class KDAConfig:
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def v_heads(self) -> int:
+        return self.num_heads if self.num_v_heads is None else self.num_v_heads
 
 
 class RMSNorm(nn.Module):
@@ -162,8 +172,9 @@ class KDALayer(nn.Module):
         Returns y: [B, T, D] in x's dtype.
 
     On CUDA the glue around the KDA op (conv + SiLU + L2Norm, gate and beta, RMSNorm times the
-    output gate) runs as fused kernels compiled by torch.compile (:mod:`kda_cp.glue`); on CPU the
-    same functions run eagerly.
+    output gate) runs fused (:mod:`kda_cp.glue`: TileLang conv kernels where they cover the
+    layer, torch.compile elsewhere); on CPU the same functions run eagerly. With num_v_heads > H
+    (GVA) the op repeats q and k per group of value heads.
 
     Raises:
         ValueError: x not [B, T, d_model].
@@ -173,25 +184,25 @@ class KDALayer(nn.Module):
     def __init__(self, config: KDAConfig) -> None:
         super().__init__()
         self.config = c = config
-        D, H, K, V = c.d_model, c.num_heads, c.head_dim, c.v_dim
+        D, H, HV, K, V = c.d_model, c.num_heads, c.v_heads, c.head_dim, c.v_dim
         # W_q, W_k, W_v stacked in one projection, and their three depthwise short convolutions in
         # one conv over the stacked channels (identical math; one halo exchange per layer under CP).
-        self.qkv_proj = nn.Linear(D, H * (2 * K + V), bias=False)
+        self.qkv_proj = nn.Linear(D, 2 * H * K + HV * V, bias=False)
         if c.conv_size > 0:
-            self.qkv_conv = ShortConv(H * (2 * K + V), c.conv_size)
+            self.qkv_conv = ShortConv(2 * H * K + HV * V, c.conv_size)
         rank = K if c.gate_rank is None else c.gate_rank
         self.g_down = nn.Linear(D, rank, bias=False)
-        self.g_up = nn.Linear(rank, H * K, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(H))  # per-head log scale of the gate input (K3 Eq. 17)
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_up = nn.Linear(rank, HV * K, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(HV))  # per-head log scale of the gate input (K3 Eq. 17)
+        self.b_proj = nn.Linear(D, HV, bias=False)
         if c.output_gate_rank is None:
-            self.og_proj = nn.Sequential(nn.Linear(D, H * V, bias=False))
+            self.og_proj = nn.Sequential(nn.Linear(D, HV * V, bias=False))
         else:
             self.og_proj = nn.Sequential(
-                nn.Linear(D, c.output_gate_rank, bias=False), nn.Linear(c.output_gate_rank, H * V, bias=True)
+                nn.Linear(D, c.output_gate_rank, bias=False), nn.Linear(c.output_gate_rank, HV * V, bias=True)
             )
         self.o_norm = RMSNorm(V, eps=c.norm_eps)
-        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.o_proj = nn.Linear(HV * V, D, bias=False)
         self.cp = CPContext()
         self._init_gate_bias()
 
@@ -209,14 +220,14 @@ class KDALayer(nn.Module):
             self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, H, K] in (g_min, 0); with
+        """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, HV, K] in (g_min, 0); with
         g_min None, g = -exp(A_h) * softplus(W_up W_down x + b) < 0.
 
         Computed and returned in fp32 (fp64 when x is fp64).
         """
         c = self.config
         B, T, _ = x.shape
-        z = F.linear(self.g_down(x), self.g_up.weight).view(B, T, c.num_heads, c.head_dim)
+        z = F.linear(self.g_down(x), self.g_up.weight).view(B, T, c.v_heads, c.head_dim)
         return glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min)[0]
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,14 +238,14 @@ class KDALayer(nn.Module):
         if cu_seqlens is not None and cp_strategy == "ulysses":
             raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
         B, T, _ = x.shape
-        H, K, V = c.num_heads, c.head_dim, c.v_dim
+        H, HV, K, V = c.num_heads, c.v_heads, c.head_dim, c.v_dim
         rank, size = self.cp.rank_and_size()
         if cu_seqlens is not None:
             cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
         # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM (one input
         # gradient in backward instead of four summed).
         og_first = self.og_proj[0]
-        widths = [self.qkv_proj.out_features, self.g_down.out_features, H, og_first.out_features]
+        widths = [self.qkv_proj.out_features, self.g_down.out_features, HV, og_first.out_features]
         w_in = torch.cat([self.qkv_proj.weight, self.g_down.weight, self.b_proj.weight, og_first.weight])
         qkv, zd, b, og = F.linear(x, w_in).split(widths, dim=-1)
         if len(self.og_proj) > 1:
@@ -251,8 +262,9 @@ class KDALayer(nn.Module):
                 halo = halo_exchange(qkv, c.conv_size - 1, cp_group, lengths)
             if cu_seqlens is not None:
                 lags = glue.lags_in_sequence(cu_seqlens, start, T, c.conv_size - 1, x.device)
-        q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, H * V), K, c.norm_eps, halo=halo, lags=lags)
-        z = F.linear(zd, self.g_up.weight).view(B, T, H, K)
+        q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, HV * V), K, c.norm_eps, halo=halo, lags=lags)
+        v = v.view(B, T, HV, V)  # glue splits v into H heads; value heads are its contiguous slices
+        z = F.linear(zd, self.g_up.weight).view(B, T, HV, K)
         g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b)
         # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] (or is the
         # softplus gate's -exp(.) * softplus(.) <= 0, which declares no bound) and beta in

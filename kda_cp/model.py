@@ -226,9 +226,9 @@ def train_flops_per_token(model: KDALanguageModel, seq_len: int) -> float:
         elif isinstance(m, KDALayer) or type(m).__name__ == "FlaKDALayer":
             c = m.config
             if c.conv_size > 0:
-                fwd += 2.0 * c.conv_size * c.num_heads * (2 * c.head_dim + c.v_dim)
+                fwd += 2.0 * c.conv_size * (2 * c.num_heads * c.head_dim + c.v_heads * c.v_dim)
             C, K, V = c.chunk_size, c.head_dim, c.v_dim
-            fwd += c.num_heads * 2.0 * (3 * C * K + 2 * C * V + 3 * K * V)
+            fwd += c.v_heads * 2.0 * (3 * C * K + 2 * C * V + 3 * K * V)  # the op runs on HV heads
         elif isinstance(m, AttentionLayer):
             fwd += m.config.num_heads * 2.0 * seq_len * m.config.head_dim
     return 3.0 * fwd

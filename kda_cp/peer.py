@@ -44,7 +44,8 @@ class FlaKDALayer(nn.Module):
         if c.gate_rank not in (None, V) or (c.gate_rank is None and c.head_dim != V):
             raise ValueError(f"flash-linear-attention's decay gate has rank V = {V}: got gate_rank {c.gate_rank}")
         self.inner = KimiDeltaAttention(
-            hidden_size=c.d_model, head_dim=c.head_dim, num_heads=c.num_heads, expand_v=V / c.head_dim,
+            hidden_size=c.d_model, head_dim=c.head_dim, num_heads=c.num_heads, num_v_heads=c.v_heads,
+            expand_v=V / c.head_dim,
             use_short_conv=c.conv_size > 0, conv_size=max(c.conv_size, 1), safe_gate=c.g_min is not None,
             lower_bound=c.g_min,
             norm_eps=c.norm_eps, mode="chunk",

@@ -194,9 +194,9 @@ class TrainConfig:
             if T % cp:
                 raise ValueError(f"parallel.strategy=ulysses needs data.seq_len % parallel.cp == 0, "
                                  f"got seq_len={T}, cp={cp}")
-            if self.model.kda.num_heads % cp:
-                raise ValueError(f"parallel.strategy=ulysses needs model.kda.num_heads % parallel.cp == 0, "
-                                 f"got num_heads={self.model.kda.num_heads}, cp={cp}")
+            if self.model.kda.v_heads % cp:
+                raise ValueError(f"parallel.strategy=ulysses needs the KDA value heads (model.kda.num_v_heads, "
+                                 f"else num_heads) % parallel.cp == 0, got {self.model.kda.v_heads} heads, cp={cp}")
 
 
 class ConfigError(ValueError):

@@ -12,14 +12,16 @@ from tests._deepspeed import require_deepspeed
 from tests._dist import run_ranks
 
 
-def _inputs(B, T, H, K, V, seed=0):
+def _inputs(B, T, H, K, V, seed=0, HV=None):
+    """q, k with H heads; v, g, beta with HV heads (GVA; HV = H by default)."""
+    HV = H if HV is None else HV
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     q = r(B, T, H, K)
     k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
-    v = r(B, T, H, V)
-    g = -5 * torch.sigmoid(r(B, T, H, K))
-    beta = torch.sigmoid(r(B, T, H))
+    v = r(B, T, HV, V)
+    g = -5 * torch.sigmoid(r(B, T, HV, K))
+    beta = torch.sigmoid(r(B, T, HV))
     return q, k, v, g, beta
 
 
@@ -35,13 +37,13 @@ def _body(rank, world_size, inputs, do, impl):
 
 
 @pytest.mark.parametrize("impl", ["torch", "deepspeed"])
-@pytest.mark.parametrize("P,H", [(2, 4), (4, 4)], ids=["p2-h4", "p4-h4"])
-def test_ulysses_matches_unsharded(P, H, impl):
+@pytest.mark.parametrize("P,H,HV", [(2, 4, 4), (4, 4, 4), (4, 2, 4)], ids=["p2-h4", "p4-h4", "p4-gva-h2-hv4"])
+def test_ulysses_matches_unsharded(P, H, HV, impl):
     if impl == "deepspeed":
         require_deepspeed()
     B, T, K, V = 2, 40, 8, 6
-    inputs = [t.requires_grad_(True) for t in _inputs(B, T, H, K, V)]
-    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    inputs = [t.requires_grad_(True) for t in _inputs(B, T, H, K, V, HV=HV)]
+    do = torch.randn(B, T, HV, V, dtype=torch.float64)
     o, _ = chunk_kda(*inputs, chunk_size=16)
     (o * do).sum().backward()
     res = run_ranks(_body, P, [t.detach() for t in inputs], do, impl)

@@ -1,5 +1,6 @@
 """Weight interop (kda_cp.interop): a layer's weights in flash-linear-attention's and Kimi Linear's
-layouts give kda_cp's KDALayer the same function, for both gate forms, in fp64 on CPU."""
+layouts give kda_cp's KDALayer the same function, for both gate forms and with GVA (num_v_heads =
+2 H), in fp64 on CPU."""
 
 from __future__ import annotations
 
@@ -16,49 +17,54 @@ from tests._utils import assert_close
 D, H, K = 48, 2, 16
 
 
-def _config(g_min):
-    return KDAConfig(d_model=D, num_heads=H, head_dim=K, output_gate_rank=K, g_min=g_min, chunk_size=16,
-                     backend="torch")
+def _config(g_min, HV=H):
+    return KDAConfig(d_model=D, num_heads=H, num_v_heads=HV, head_dim=K, output_gate_rank=K, g_min=g_min,
+                     chunk_size=16, backend="torch")
 
 
-def _fla_weights(seed):
-    """Random weights in the peer's layout (every tensor drawn, A_log spread as log U(1, 16))."""
+def _fla_weights(seed, HV=H):
+    """Random weights in the peer's layout with HV value heads (every tensor drawn, A_log spread
+    as log U(1, 16))."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=0.2):
         return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    sd = {f"{p}_proj.weight": rnd(H * K, D) for p in "qkv"}
-    sd.update({f"{p}_conv1d.weight": rnd(H * K, 1, 4, scale=0.5) for p in "qkv"})
-    sd.update({"f_proj.0.weight": rnd(K, D), "f_proj.1.weight": rnd(H * K, K), "dt_bias": rnd(H * K, scale=1.0),
-               "A_log": torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)),
-               "b_proj.weight": rnd(H, D), "g_proj.0.weight": rnd(K, D), "g_proj.1.weight": rnd(H * K, K),
-               "g_proj.1.bias": rnd(H * K), "o_norm.weight": 1 + rnd(K), "o_proj.weight": rnd(D, H * K)})
+    n = {"q": H * K, "k": H * K, "v": HV * K}
+    sd = {f"{p}_proj.weight": rnd(n[p], D) for p in "qkv"}
+    sd.update({f"{p}_conv1d.weight": rnd(n[p], 1, 4, scale=0.5) for p in "qkv"})
+    sd.update({"f_proj.0.weight": rnd(K, D), "f_proj.1.weight": rnd(HV * K, K), "dt_bias": rnd(HV * K, scale=1.0),
+               "A_log": torch.log(1 + 15 * torch.rand(HV, generator=gen, dtype=torch.float64)),
+               "b_proj.weight": rnd(HV, D), "g_proj.0.weight": rnd(K, D), "g_proj.1.weight": rnd(HV * K, K),
+               "g_proj.1.bias": rnd(HV * K), "o_norm.weight": 1 + rnd(K), "o_proj.weight": rnd(D, HV * K)})
     return sd
 
 
 def _fla_layer_reference(sd, x, g_min, eps=1e-6):
     """The peer's layer computed from its own weights: per-part short conv + SiLU, q/k scaled by
     rsqrt(sum of squares + eps), the safe gate (g_min set) or the softplus gate, sigmoid beta,
-    the recurrence, RMSNorm times sigmoid of the output gate, the output projection."""
+    the recurrence (value head j reading key head j // (HV / H)), RMSNorm times sigmoid of the
+    output gate, the output projection."""
     B, T, _ = x.shape
+    HV = sd["A_log"].numel()
 
     def conv(p):
-        y = F.conv1d(F.linear(x, sd[f"{p}_proj.weight"]).transpose(1, 2), sd[f"{p}_conv1d.weight"],
-                     padding=3, groups=H * K)[..., :T]
-        return F.silu(y.transpose(1, 2)).reshape(B, T, H, K)
+        w = sd[f"{p}_conv1d.weight"]
+        y = F.conv1d(F.linear(x, sd[f"{p}_proj.weight"]).transpose(1, 2), w, padding=3, groups=w.shape[0])[..., :T]
+        return F.silu(y.transpose(1, 2)).reshape(B, T, -1, K)
 
     q, k, v = conv("q"), conv("k"), conv("v")
     q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps) for t in (q, k))
-    f = F.linear(F.linear(x, sd["f_proj.0.weight"]), sd["f_proj.1.weight"]).reshape(B, T, H, K)
-    f = f + sd["dt_bias"].reshape(H, K)
+    q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+    f = F.linear(F.linear(x, sd["f_proj.0.weight"]), sd["f_proj.1.weight"]).reshape(B, T, HV, K)
+    f = f + sd["dt_bias"].reshape(HV, K)
     a = sd["A_log"].exp()[:, None]
     g = g_min * torch.sigmoid(a * f) if g_min is not None else -a * F.softplus(f)
     beta = torch.sigmoid(F.linear(x, sd["b_proj.weight"]))
     o, _ = naive_recurrent_kda(q, k, v, g, beta)
-    og = F.linear(F.linear(x, sd["g_proj.0.weight"]), sd["g_proj.1.weight"], sd["g_proj.1.bias"]).reshape(B, T, H, K)
+    og = F.linear(F.linear(x, sd["g_proj.0.weight"]), sd["g_proj.1.weight"], sd["g_proj.1.bias"]).reshape(B, T, HV, K)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * sd["o_norm.weight"] * torch.sigmoid(og)
-    return F.linear(o.reshape(B, T, H * K), sd["o_proj.weight"])
+    return F.linear(o.reshape(B, T, HV * K), sd["o_proj.weight"])
 
 
 def _kimi_from_fla(sd):
@@ -66,20 +72,22 @@ def _kimi_from_fla(sd):
     names = {"f_proj.0.weight": "f_a_proj.weight", "f_proj.1.weight": "f_b_proj.weight",
              "g_proj.0.weight": "g_a_proj.weight", "g_proj.1.weight": "g_b_proj.weight"}
     out = {names.get(k, k): v for k, v in sd.items() if k != "g_proj.1.bias"}
-    out["A_log"] = sd["A_log"].reshape(1, 1, H, 1)
+    out["A_log"] = sd["A_log"].reshape(1, 1, -1, 1)
     return out
 
 
+@pytest.mark.parametrize("HV", [H, 2 * H], ids=["mha", "gva"])
 @pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("layout", ["fla", "kimi"])
-def test_imported_layer_equals_the_peer_layout(layout, g_min):
-    sd = _fla_weights(seed=3 + (g_min is None))
+def test_imported_layer_equals_the_peer_layout(layout, g_min, HV):
+    sd = _fla_weights(seed=3 + (g_min is None) + 2 * HV, HV=HV)
     if layout == "kimi":
         sd["g_proj.1.bias"].zero_()
     x = torch.randn(2, 77, D, dtype=torch.float64)  # T not a multiple of the chunk size
     want = _fla_layer_reference(sd, x, g_min)
-    layer = KDALayer(_config(g_min)).double()
-    layer.load_state_dict(import_kda_state_dict(sd if layout == "fla" else _kimi_from_fla(sd), _config(g_min), layout))
+    cfg = _config(g_min, HV)
+    layer = KDALayer(cfg).double()
+    layer.load_state_dict(import_kda_state_dict(sd if layout == "fla" else _kimi_from_fla(sd), cfg, layout))
     assert_close("y", want, layer(x), 1e-6)  # eps conventions of the L2 norm differ by ~1e-8
 
 
@@ -115,3 +123,5 @@ def test_bad_state_dicts_raise():
         import_kda_state_dict(sd, KDAConfig(d_model=D, num_heads=H, head_dim=K))
     with pytest.raises(ValueError, match="nonzero"):
         export_kda_state_dict(import_kda_state_dict(sd, cfg), cfg, "kimi")
+    with pytest.raises(ValueError, match=r"'v_proj.weight' has shape \(64, 48\), expected \(32, 48\)"):
+        import_kda_state_dict(_fla_weights(seed=1, HV=2 * H), cfg)  # a GVA checkpoint needs num_v_heads

@@ -66,6 +66,8 @@ def test_layer_bad_input():
         layer(torch.randn(2, 10, 31))
     with pytest.raises(ValueError, match="g_min"):
         KDAConfig(g_min=-6.0)
+    with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 4"):
+        KDAConfig(num_heads=4, num_v_heads=6)
     with pytest.raises(ValueError, match="input_ids"):
         KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16)))(torch.randn(2, 5))
 
@@ -94,6 +96,7 @@ def _layer_body(rank, world_size, state, x, dy, lengths, cu=None, cfg=CFG):
 
 
 SOFTPLUS = {**CFG, "g_min": None}  # Kimi Linear's unbounded gate g = -exp(A_log) * softplus(.)
+GVA = {**CFG, "num_v_heads": 4}  # two value heads per key head
 
 
 @pytest.mark.parametrize("lengths,cu,cfg", [
@@ -103,8 +106,9 @@ SOFTPLUS = {**CFG, "g_min": None}  # Kimi Linear's unbounded gate g = -exp(A_log
     ([13, 12, 14, 11], [0, 11, 12, 37, 50], CFG),
     ([20, 2, 1, 27], [0, 21, 22, 50], CFG),  # shards shorter than the conv's halo of 3 rows
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], SOFTPLUS), ([13, 12, 14, 11], None, SOFTPLUS),
+    ([10, 25, 15], [0, 9, 12, 33, 34, 50], GVA), ([29, 21], None, GVA),
 ], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards", "p3-packed-softplus",
-        "p4-softplus"])
+        "p4-softplus", "p3-packed-gva", "p2-gva"])
 def test_layer_cp_matches_unsharded(lengths, cu, cfg):
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**cfg)), 7)

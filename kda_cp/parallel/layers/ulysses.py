@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kda_cp.ops import BACKENDS, check_inputs, chunk_kda
+from kda_cp.ops import BACKENDS, check_inputs, chunk_kda, expand_value_heads
 from kda_cp.parallel.exchange import check_and_agree, dtype_code, float_code, group_rank_and_size
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
@@ -157,7 +157,8 @@ def ulysses_kda(
 
     Args:
         q, k: [B, T_r, H, K]; v: [B, T_r, H, V]; g: [B, T_r, H, K] (log decay); beta: [B, T_r, H]:
-            this rank's contiguous shard, T_r = T / P on every rank.
+            this rank's contiguous shard, T_r = T / P on every rank. Or v, g, beta with HV heads,
+            a multiple of H (GVA; q and k are then repeated to HV heads before the exchange).
         cp_group: the CP group (collective), or None / size 1 (then plain chunk_kda).
         chunk_size, backend, g_min, check_gate: as in :func:`kda_cp.chunk_kda` (the value checks run
             on every rank's shard before the exchange).
@@ -174,12 +175,16 @@ def ulysses_kda(
     """
     kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min)
     P = group_rank_and_size(cp_group)[1]  # ValueError on a rank outside cp_group
+
     if P == 1:
         return chunk_kda(q, k, v, g, beta, check_gate=check_gate, **kw)[0]
     # Every rank checks its own shard before any exchange, and all ranks raise together: a bad
     # value on one rank must not leave the others blocked in the all-to-all.
     def check():
+        nonlocal q, k
         resolve_impl(impl)  # a bad name raises here, on its rank
+        # GVA: Ulysses shards heads, so every value head takes its own copy of q and k
+        q, k = expand_value_heads(q, k, v)
         check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False)
         if q.shape[2] % P:
             raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={q.shape[2]}, cp={P}")
