@@ -23,6 +23,7 @@ the chunked functions do not (``chunk_kda`` is their checked entry point).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -195,7 +196,7 @@ def _chunk_intra(q, k, v, g, beta, chunk_size, with_output=True) -> _ChunkIntra:
     Gam = gamma.exp()
     gam_last = gamma[..., -1:, :]
     # Largest exponent the anchored diagonal blocks form: (SUB_CHUNK - 1) * max|g|.
-    limit = 0.5 * torch.log(torch.tensor(torch.finfo(k.dtype).max)).item()
+    limit = 0.5 * math.log(torch.finfo(k.dtype).max)  # a Python float: fp64's max overflows an fp32 tensor
     anchored = g.numel() == 0 or (-g.min().item()) * (min(SUB_CHUNK, C) - 1) < limit
     a_kk = _decayed_products(kc, kc, gamma, True, anchored) * bc[..., None]
     eye = torch.eye(C, dtype=k.dtype, device=k.device)

@@ -32,14 +32,25 @@ def test_chunk_matches_recurrence_fp64(B, T, H, K, V, C, with_h0):
     assert torch.equal(o_nf, o)
 
 
-def test_unbounded_gates_stay_finite():
-    """The torch backend never forms a positive exponent: strong decay (g down to -40) is exact."""
+@pytest.mark.parametrize("g_low,C", [(40, 64), (120, 64), (120, 16)])
+def test_unbounded_gates_stay_finite(g_low, C):
+    """The torch backend never forms a positive exponent: strong decay (g down to -g_low; at -120 a
+    sub-chunk's span of 15 steps reaches exp(1800), past fp64's range, and a chunk's cumsum goes
+    below -1000) is exact, gradients included."""
     q, k, v, _, beta, h0 = make_inputs(1, 150, 2, 8, 8, with_h0=True)
-    g = -40 * torch.rand(1, 150, 2, 8, dtype=torch.float64)
-    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, g_min=None)
+    g = -g_low * torch.rand(1, 150, 2, 8, dtype=torch.float64)
+    g[..., :2] *= 0.01  # slow channels keep a long memory next to the fast ones
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o_ref, s_ref = naive_recurrent_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, g_min=None, chunk_size=C)
+    assert g[0, :C].sum(0).min() < -1000 or g_low < 100
     assert_close("o", o_ref, o, 1e-10)
     assert_close("final_state", s_ref, s, 1e-10)
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    want = torch.autograd.grad((o_ref, s_ref), leaves, (do, ds))
+    got = torch.autograd.grad((o, s), leaves, (do, ds))
+    for name, w, x in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], want, got):
+        assert_close(name, w, x, 1e-9)
 
 
 def test_gradients_match_recurrence_fp64():
