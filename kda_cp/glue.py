@@ -171,7 +171,7 @@ def _l2_norm_cast(x, eps):
     return _l2_norm(x.to(_cdt(x.dtype)), eps).to(x.dtype)
 
 
-def _kda_gate(z, A_log, dt_bias, g_min, b):
+def _kda_gate(z, A_log, dt_bias, g_min, b, beta_scale):
     cdt = _cdt(z.dtype)
     H, K = z.shape[-2:]
     zf = z.to(cdt)
@@ -179,7 +179,7 @@ def _kda_gate(z, A_log, dt_bias, g_min, b):
         zf = zf + dt_bias.to(cdt).reshape(H, K)
     a = A_log.to(cdt).exp()[:, None]
     g = -a * F.softplus(zf) if g_min is None else g_min * torch.sigmoid(a * zf)
-    beta = None if b is None else torch.sigmoid(b.to(cdt))
+    beta = None if b is None else beta_scale * torch.sigmoid(b.to(cdt))
     return g, beta
 
 
@@ -249,8 +249,9 @@ def l2_norm(x, eps: float = 1e-6, *, compiled=None):
     return _run(_l2_norm_cast, compiled, x, float(eps))
 
 
-def kda_gate(z, A_log, dt_bias=None, g_min: float | None = -5.0, b=None, *, compiled=None):
-    """The KDA decay gate from its pre-activation, and beta = sigmoid(b).
+def kda_gate(z, A_log, dt_bias=None, g_min: float | None = -5.0, b=None, *, beta_scale: float = 1.0,
+             compiled=None):
+    """The KDA decay gate from its pre-activation, and beta = beta_scale * sigmoid(b).
 
     Math: g = g_min * sigmoid(exp(A_log[h]) * (z + dt_bias)) when g_min is set (Kimi K3's bounded
     gate, g in (g_min, 0)); g = -exp(A_log[h]) * softplus(z + dt_bias) when g_min is None (Kimi
@@ -258,12 +259,13 @@ def kda_gate(z, A_log, dt_bias=None, g_min: float | None = -5.0, b=None, *, comp
 
     Args:
         z: [B, T, H, K] float. A_log: [H]. dt_bias: [H * K] or [H, K], or None.
-        b: [B, T, H] pre-sigmoid beta, or None.
+        b: [B, T, H] pre-sigmoid beta, or None. beta_scale: 1, or 2 for beta in [0, 2] (negative
+            eigenvalues, flash-linear-attention's allow_neg_eigval).
 
     Returns:
         (g [B, T, H, K], beta [B, T, H] or None), fp32 (fp64 for fp64 z).
     """
-    return _run(_kda_gate, compiled, z, A_log, dt_bias, None if g_min is None else float(g_min), b)
+    return _run(_kda_gate, compiled, z, A_log, dt_bias, None if g_min is None else float(g_min), b, float(beta_scale))
 
 
 def rms_norm_gated(x, weight, gate, eps: float, out_dtype=None, *, compiled=None):

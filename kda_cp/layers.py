@@ -8,6 +8,7 @@ Per head h, for input x_t in R^D (Kimi Linear, arXiv:2510.26692, Eqs. 15-16; Kim
                or, with g_min None, -exp(A_h) * Softplus(W_g_up W_g_down x_t + b_g)     (Kimi Linear)
     alpha_t  = exp(g_t) in (0, 1)^K                               per-channel decay
     beta_t   = Sigmoid(W_beta x_t)                                write strength           (Eq. 15)
+               (2 Sigmoid(.) with allow_neg_eigval)
     o~_t     = KDA(q, k, v, g, beta)_t       S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1}
                                                     + beta_t k_t v_t^T,   o~_t = K^-1/2 S_t^T q_t
     y_t      = W_o [Sigmoid(W_og x_t) * RMSNorm(o~_t)]            per-head RMSNorm        (Eq. 16, K3 Eq. 18)
@@ -66,6 +67,9 @@ class KDAConfig:
     """Lower bound of the per-step log decay g = g_min * sigmoid(.), in [-5, 0) (K3 Eq. 17); None:
     the unbounded gate g = -exp(A_log) * softplus(.) of the released Kimi Linear checkpoints (the
     op then runs on the torch backend: the kernels need a bound)."""
+    allow_neg_eigval: bool = False
+    """beta = 2 * sigmoid(W_beta x) in [0, 2]: the transition I - beta k k^T may have negative
+    eigenvalues (flash-linear-attention's allow_neg_eigval); False: beta = sigmoid(.) in [0, 1]."""
     decay_init_min: float = 1e-3
     """Initial -g spans [decay_init_min, decay_init_max] log-uniformly over channels (like Mamba's dt)."""
     decay_init_max: float = 0.1
@@ -265,18 +269,19 @@ class KDALayer(nn.Module):
         q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, HV * V), K, c.norm_eps, halo=halo, lags=lags)
         v = v.view(B, T, HV, V)  # glue splits v into H heads; value heads are its contiguous slices
         z = F.linear(zd, self.g_up.weight).view(B, T, HV, K)
-        g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b)
+        g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b, beta_scale=2.0 if c.allow_neg_eigval else 1.0)
         # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] (or is the
         # softplus gate's -exp(.) * softplus(.) <= 0, which declares no bound) and beta in
-        # [0, 1] by construction, and a NaN from upstream reaches the loss, which training checks
-        # every step; the checks would cost a read of q, k, v, g and a device sync per layer.
+        # [0, 1] (or [0, 2]) by construction, and a NaN from upstream reaches the loss, which training
+        # checks every step; the checks would cost a read of q, k, v, g and a device sync per layer.
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
+        neg = dict(allow_neg_eigval=True) if c.allow_neg_eigval else {}
         if size > 1 and cp_strategy == "ulysses":
-            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
+            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw, **neg)
         elif size > 1:
-            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw)
+            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw, **neg)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw, **neg)
         # Per-head RMSNorm times the sigmoid output gate in one fused pass.
         o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
         return self.o_proj(o)

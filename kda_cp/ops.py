@@ -466,12 +466,14 @@ def expand_value_heads(q, k, v):
 
 
 def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-                        dt_bias=None, use_beta_sigmoid_in_kernel=False, g_min: float | None = DEFAULT_G_MIN):
+                        dt_bias=None, use_beta_sigmoid_in_kernel=False, g_min: float | None = DEFAULT_G_MIN,
+                        allow_neg_eigval: bool = False):
     """The input transforms that chunk_kda and cp_chunk_kda take as options (flash-linear-attention's
     names), differentiable, fused on CUDA (:mod:`kda_cp.glue`).
 
     Math: q, k <- x / max(||x||_2, 1e-6) per head; g <- g_min * sigmoid(exp(A_log_h) * (g + dt_bias))
-    (g_min set) or -exp(A_log_h) * softplus(g + dt_bias) (g_min None); beta <- sigmoid(beta).
+    (g_min set) or -exp(A_log_h) * softplus(g + dt_bias) (g_min None); beta <- sigmoid(beta), or
+    2 * sigmoid(beta) with allow_neg_eigval (as flash-linear-attention).
 
     Returns:
         (q, k, g, beta): g and beta in fp32 (fp64 for fp64) where transformed, else as given.
@@ -510,11 +512,12 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
             if x is not None and x.device != g.device:
                 raise ValueError(f"{name} is on {x.device} but g is on {g.device}")
-        g, b = glue.kda_gate(g, A_log, dt_bias, g_min, beta if use_beta_sigmoid_in_kernel else None)
+        scale = 2.0 if allow_neg_eigval else 1.0
+        g, b = glue.kda_gate(g, A_log, dt_bias, g_min, beta if use_beta_sigmoid_in_kernel else None, beta_scale=scale)
         if use_beta_sigmoid_in_kernel:
             beta = b
     elif use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+        beta = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
     return q, k, g, beta
 
 
@@ -626,7 +629,8 @@ def chunk_kda(
             when g_min is None (torch backend only). g_min must then be passed explicitly
             (flash-linear-attention's default gate is the softplus one, kda_cp's default bound -5).
             A_log: [H]; dt_bias: [H * K] or [H, K] or None.
-        use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid.
+        use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid (2 * sigmoid
+            with allow_neg_eigval, as flash-linear-attention).
             These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
             differentiable in every input, A_log and dt_bias included.
         allow_neg_eigval: beta may lie in [0, 2] (negative eigenvalues of the transition,
@@ -655,7 +659,8 @@ def chunk_kda(
             or dt_bias is not None:
         q, k, g, beta = apply_input_options(
             q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min)
+            A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min,
+            allow_neg_eigval=allow_neg_eigval)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min,
                  allow_neg_eigval=allow_neg_eigval)
     check_scale(scale)

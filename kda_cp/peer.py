@@ -47,7 +47,7 @@ class FlaKDALayer(nn.Module):
             hidden_size=c.d_model, head_dim=c.head_dim, num_heads=c.num_heads, num_v_heads=c.v_heads,
             expand_v=V / c.head_dim,
             use_short_conv=c.conv_size > 0, conv_size=max(c.conv_size, 1), safe_gate=c.g_min is not None,
-            lower_bound=c.g_min,
+            lower_bound=c.g_min, allow_neg_eigval=c.allow_neg_eigval,
             norm_eps=c.norm_eps, mode="chunk",
         )
         self.cp = CPContext()  # set by kda_cp.parallel.parallelize; only the unsharded case runs

@@ -447,7 +447,7 @@ def cp_chunk_kda(
             q, k, g, beta = apply_input_options(
                 q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min)
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min, allow_neg_eigval=allow_neg_eigval)
         if scan_method not in ("sequential", "log_depth"):
             raise ValueError(f"scan_method must be 'sequential' or 'log_depth', got {scan_method!r}")
         if cu_seqlens is not None:

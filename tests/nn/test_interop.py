@@ -17,9 +17,9 @@ from tests._utils import assert_close
 D, H, K = 48, 2, 16
 
 
-def _config(g_min, HV=H):
+def _config(g_min, HV=H, neg_eigval=False):
     return KDAConfig(d_model=D, num_heads=H, num_v_heads=HV, head_dim=K, output_gate_rank=K, g_min=g_min,
-                     chunk_size=16, backend="torch")
+                     chunk_size=16, backend="torch", allow_neg_eigval=neg_eigval)
 
 
 def _fla_weights(seed, HV=H):
@@ -40,11 +40,11 @@ def _fla_weights(seed, HV=H):
     return sd
 
 
-def _fla_layer_reference(sd, x, g_min, eps=1e-6):
+def _fla_layer_reference(sd, x, g_min, eps=1e-6, neg_eigval=False):
     """The peer's layer computed from its own weights: per-part short conv + SiLU, q/k scaled by
     rsqrt(sum of squares + eps), the safe gate (g_min set) or the softplus gate, sigmoid beta,
     the recurrence (value head j reading key head j // (HV / H)), RMSNorm times sigmoid of the
-    output gate, the output projection."""
+    output gate, the output projection; beta = 2 sigmoid(.) with neg_eigval (its allow_neg_eigval)."""
     B, T, _ = x.shape
     HV = sd["A_log"].numel()
 
@@ -60,7 +60,7 @@ def _fla_layer_reference(sd, x, g_min, eps=1e-6):
     f = f + sd["dt_bias"].reshape(HV, K)
     a = sd["A_log"].exp()[:, None]
     g = g_min * torch.sigmoid(a * f) if g_min is not None else -a * F.softplus(f)
-    beta = torch.sigmoid(F.linear(x, sd["b_proj.weight"]))
+    beta = (2 if neg_eigval else 1) * torch.sigmoid(F.linear(x, sd["b_proj.weight"]))
     o, _ = naive_recurrent_kda(q, k, v, g, beta)
     og = F.linear(F.linear(x, sd["g_proj.0.weight"]), sd["g_proj.1.weight"], sd["g_proj.1.bias"]).reshape(B, T, HV, K)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * sd["o_norm.weight"] * torch.sigmoid(og)
@@ -76,16 +76,17 @@ def _kimi_from_fla(sd):
     return out
 
 
-@pytest.mark.parametrize("HV", [H, 2 * H], ids=["mha", "gva"])
+@pytest.mark.parametrize("HV,neg_eigval", [(H, False), (2 * H, False), (2 * H, True)],
+                         ids=["mha", "gva", "gva-neg-eigval"])
 @pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("layout", ["fla", "kimi"])
-def test_imported_layer_equals_the_peer_layout(layout, g_min, HV):
-    sd = _fla_weights(seed=3 + (g_min is None) + 2 * HV, HV=HV)
+def test_imported_layer_equals_the_peer_layout(layout, g_min, HV, neg_eigval):
+    sd = _fla_weights(seed=3 + (g_min is None) + 2 * HV + 5 * neg_eigval, HV=HV)
     if layout == "kimi":
         sd["g_proj.1.bias"].zero_()
     x = torch.randn(2, 77, D, dtype=torch.float64)  # T not a multiple of the chunk size
-    want = _fla_layer_reference(sd, x, g_min)
-    cfg = _config(g_min, HV)
+    want = _fla_layer_reference(sd, x, g_min, neg_eigval=neg_eigval)
+    cfg = _config(g_min, HV, neg_eigval)
     layer = KDALayer(cfg).double()
     layer.load_state_dict(import_kda_state_dict(sd if layout == "fla" else _kimi_from_fla(sd), cfg, layout))
     assert_close("y", want, layer(x), 1e-6)  # eps conventions of the L2 norm differ by ~1e-8

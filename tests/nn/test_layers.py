@@ -97,6 +97,7 @@ def _layer_body(rank, world_size, state, x, dy, lengths, cu=None, cfg=CFG):
 
 SOFTPLUS = {**CFG, "g_min": None}  # Kimi Linear's unbounded gate g = -exp(A_log) * softplus(.)
 GVA = {**CFG, "num_v_heads": 4}  # two value heads per key head
+NEG = {**CFG, "num_v_heads": 4, "allow_neg_eigval": True, "g_min": None}  # beta in [0, 2], softplus gate
 
 
 @pytest.mark.parametrize("lengths,cu,cfg", [
@@ -106,9 +107,9 @@ GVA = {**CFG, "num_v_heads": 4}  # two value heads per key head
     ([13, 12, 14, 11], [0, 11, 12, 37, 50], CFG),
     ([20, 2, 1, 27], [0, 21, 22, 50], CFG),  # shards shorter than the conv's halo of 3 rows
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], SOFTPLUS), ([13, 12, 14, 11], None, SOFTPLUS),
-    ([10, 25, 15], [0, 9, 12, 33, 34, 50], GVA), ([29, 21], None, GVA),
+    ([10, 25, 15], [0, 9, 12, 33, 34, 50], GVA), ([29, 21], None, GVA), ([13, 12, 14, 11], [0, 11, 12, 37, 50], NEG),
 ], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards", "p3-packed-softplus",
-        "p4-softplus", "p3-packed-gva", "p2-gva"])
+        "p4-softplus", "p3-packed-gva", "p2-gva", "p4-packed-gva-neg-eigval-softplus"])
 def test_layer_cp_matches_unsharded(lengths, cu, cfg):
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**cfg)), 7)

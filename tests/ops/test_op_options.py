@@ -1,5 +1,6 @@
 """chunk_kda's and cp_chunk_kda's input options (flash-linear-attention's names):
-use_qk_l2norm_in_kernel, use_gate_in_kernel with A_log and dt_bias, use_beta_sigmoid_in_kernel."""
+use_qk_l2norm_in_kernel, use_gate_in_kernel with A_log and dt_bias, use_beta_sigmoid_in_kernel
+(2 * sigmoid with allow_neg_eigval, as flash-linear-attention)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _raw(T, H, K, V, seed, B=1):
     return [x.requires_grad_(True) for x in (q, k, v, z, b, A_log, dt_bias)]
 
 
-def _explicit(q, k, z, b, A_log, dt_bias, g_min):
+def _explicit(q, k, z, b, A_log, dt_bias, g_min, beta_scale=1.0):
     """The options' math written out independently of kda_cp.glue."""
     H, K = q.shape[2:]
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
@@ -35,17 +36,19 @@ def _explicit(q, k, z, b, A_log, dt_bias, g_min):
     u = z + dt_bias.view(H, K)
     a = A_log.exp()[:, None]
     g = -a * F.softplus(u) if g_min is None else g_min * torch.sigmoid(a * u)
-    return q, k, g, torch.sigmoid(b)
+    return q, k, g, beta_scale * torch.sigmoid(b)
 
 
-@pytest.mark.parametrize("g_min,seed", [(-5.0, 11), (-2.5, 12), (None, 13)], ids=["bound5", "bound2.5", "softplus"])
-def test_options_equal_explicit_transforms_and_recurrence(g_min, seed):
+@pytest.mark.parametrize("g_min,seed,neg", [(-5.0, 11, False), (-2.5, 12, False), (None, 13, False), (None, 14, True),
+                                            (-5.0, 15, True)],
+                         ids=["bound5", "bound2.5", "softplus", "softplus-neg-eigval", "bound5-neg-eigval"])
+def test_options_equal_explicit_transforms_and_recurrence(g_min, seed, neg):
     T, H, K, V = 45, 2, 8, 6
     cu = torch.tensor([0, 9, 10, 45])
     q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=seed)
     o, ht = chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias, g_min=g_min, cu_seqlens=cu, chunk_size=16,
-                      output_final_state=True, **OPTS)
-    qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, g_min)
+                      output_final_state=True, allow_neg_eigval=neg, **OPTS)
+    qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, g_min, beta_scale=2.0 if neg else 1.0)
     o_ref, ht_ref = naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
@@ -70,6 +73,8 @@ def test_each_option_alone_and_dt_bias_as_matrix():
     for kw in cases:
         o, _ = chunk_kda(v=v, **kw)
         torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    o, _ = chunk_kda(qn, kn, v, g, b, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    torch.testing.assert_close(o, chunk_kda(qn, kn, v, g, 2 * beta, allow_neg_eigval=True)[0], rtol=1e-10, atol=1e-10)
     o, _ = chunk_kda(qn, kn, v, z + dt_bias.view(H, K), beta, use_gate_in_kernel=True, A_log=A_log, g_min=-5.0)
     torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
 

@@ -152,6 +152,7 @@ def ulysses_kda(
     g_min: float | None = -5.0,
     impl: UlyssesImpl = "auto",
     check_gate: bool = True,
+    allow_neg_eigval: bool = False,
 ) -> torch.Tensor:
     """KDA on a sequence sharded over ``cp_group``, head-parallel (Ulysses).
 
@@ -160,8 +161,8 @@ def ulysses_kda(
             this rank's contiguous shard, T_r = T / P on every rank. Or v, g, beta with HV heads,
             a multiple of H (GVA; q and k are then repeated to HV heads before the exchange).
         cp_group: the CP group (collective), or None / size 1 (then plain chunk_kda).
-        chunk_size, backend, g_min, check_gate: as in :func:`kda_cp.chunk_kda` (the value checks run
-            on every rank's shard before the exchange).
+        chunk_size, backend, g_min, check_gate, allow_neg_eigval: as in :func:`kda_cp.chunk_kda` (the
+            value checks run on every rank's shard before the exchange).
         impl: "deepspeed" (DistributedAttention), "torch" (own all-to-all), or "auto".
 
     Returns:
@@ -173,7 +174,7 @@ def ulysses_kda(
             unequal shard lengths, or a bad ``impl``. Checked before any exchange: nothing hangs. Also
             on a rank that is not a member of ``cp_group``.
     """
-    kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min)
+    kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min, allow_neg_eigval=allow_neg_eigval)
     P = group_rank_and_size(cp_group)[1]  # ValueError on a rank outside cp_group
 
     if P == 1:
@@ -185,7 +186,8 @@ def ulysses_kda(
         resolve_impl(impl)  # a bad name raises here, on its rank
         # GVA: Ulysses shards heads, so every value head takes its own copy of q and k
         q, k = expand_value_heads(q, k, v)
-        check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False)
+        check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False,
+                     allow_neg_eigval=allow_neg_eigval)
         if q.shape[2] % P:
             raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={q.shape[2]}, cp={P}")
         if backend not in BACKENDS:  # a bad name fails here, on its rank, not inside the exchange
