@@ -448,6 +448,19 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
     return _TORCH
 
 
+def segmented(impl: Backend, segment_len: int, chunk_size: int) -> Backend:
+    """``impl`` run on segments of ``segment_len`` tokens (:class:`kda_cp.parallel.segments.SegmentedBackend`).
+
+    Raises:
+        ValueError: segment_len not a positive multiple of chunk_size.
+    """
+    if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1 or segment_len % chunk_size:
+        raise ValueError(f"segment_len must be a positive multiple of chunk_size = {chunk_size}, got {segment_len!r}")
+    from kda_cp.parallel.segments import SegmentedBackend  # kda_cp.parallel imports this module
+
+    return SegmentedBackend(impl, segment_len)
+
+
 def expand_value_heads(q, k, v):
     """GVA (grouped value attention): with v [B, T, HV, V] and q, k [B, T, H, K], HV a multiple of
     H, value head j reads key head j // (HV / H); q and k are repeated to HV heads (differentiable:
@@ -597,6 +610,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    segment_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
 
@@ -635,6 +649,10 @@ def chunk_kda(
             differentiable in every input, A_log and dt_bias included.
         allow_neg_eigval: beta may lie in [0, 2] (negative eigenvalues of the transition,
             flash-linear-attention's allow_neg_eigval); every backend.
+        segment_len: cut every sequence into segments of this many tokens (a multiple of
+            chunk_size) run as parallel chains joined by a scan of their affine maps
+            (:mod:`kda_cp.parallel.segments`): more parallel work for few sequences x heads, at
+            the cost of a summary pass and a state-gradient pass. None: no split.
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -670,6 +688,8 @@ def chunk_kda(
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
     impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size)
+    if segment_len is not None:
+        impl = segmented(impl, segment_len, chunk_size)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

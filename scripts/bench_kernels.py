@@ -2,6 +2,7 @@
 
 Usage (on a Hopper GPU):
     python scripts/bench_kernels.py --out bench.json [--shapes S1 S2 S3] [--repeats 20] [--backward]
+    python scripts/bench_kernels.py --segments [SHAPE ...] [--segment-len 4096 8192] --out seg.json
 
 For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0,1).
 Times (median over --repeats, CUDA events around each call, after warm-up):
@@ -15,7 +16,9 @@ It also reports the relative RMS difference between kda_cp's and fla's outputs (
 a test). With --backward, also forward+backward time and the memory held between forward and
 backward and the allocator peak, kda_cp and fla side by side through autograd, at the same shapes
 (scripts/bench_backward.py's measurement, under "backward" in the JSON; fla's first step per shape
-autotunes, 30 s to minutes). Prints markdown tables and writes JSON to --out.
+autotunes, 30 s to minutes). With --segments, chunk_kda through autograd at B = 1 and few heads
+(SEGMENT_SHAPES) without and with segment_len, and the peer, forward and forward+backward, in place
+of the forward table. Prints markdown tables and writes JSON to --out.
 """
 import argparse
 import json
@@ -80,6 +83,58 @@ def sweep(shape, repeats):
                 print(f"state block_v={bv} num_stages={st}: failed {type(ex).__name__}: {str(ex)[:200]}")
 
 
+#: Few heads at B = 1 (--segments): the same head x token work at several head counts, and the
+#: reference with enough heads to fill the GPU.
+SEGMENT_SHAPES = {f"H{H}-T{T // 1024}k": dict(B=1, T=T, H=H, K=128, V=128)
+                  for H in (4, 8, 16) for T in (32768, 65536, 131072)}
+SEGMENT_SHAPES["H32-T16k"] = dict(B=1, T=16384, H=32, K=128, V=128)
+
+
+def bench_segments(shapes, segment_lens, repeats, fla_chunk_kda):
+    """chunk_kda (autograd, TileLang backend) forward and forward+backward without and with the
+    intra-device split (segment_len), and the peer's chunk_kda, at SEGMENT_SHAPES."""
+    from kda_cp.ops import chunk_kda
+
+    rows = {}
+    for name in shapes:
+        s = SEGMENT_SHAPES[name]
+        q, k, v, g, beta, do = make_inputs(**s, with_do=True)
+        leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+        row = dict(s)
+
+        def run(fn, name_):
+            def fwd():
+                with torch.no_grad():
+                    return fn(*leaves)
+
+            def fwd_bwd():
+                return torch.autograd.grad(fn(*leaves)[0], leaves, do)
+
+            row[f"{name_}_fwd_ms"] = time_ms(fwd, repeats)
+            row[f"{name_}_fwd_bwd_ms"] = time_ms(fwd_bwd, repeats)
+
+        for L in [None, *segment_lens]:
+            run(lambda *x, L=L: chunk_kda(*x, backend="tilelang", check_gate=False, segment_len=L),
+                "plain" if L is None else f"split{L}")
+        if fla_chunk_kda is not None:
+            run(lambda *x: fla_chunk_kda(*x, safe_gate=True, lower_bound=-5.0), "fla")
+        rows[name] = row
+        print(name, json.dumps(row), flush=True)
+        del q, k, v, g, beta, do, leaves
+        torch.cuda.empty_cache()
+    print("\n| shape | plain fwd / fwd+bwd ms | " + " | ".join(f"segment_len {L} fwd / fwd+bwd ms" for L in segment_lens)
+          + " | fla fwd / fwd+bwd ms | fla / best kda_cp fwd+bwd |")
+    print("|---" * (3 + len(segment_lens)) + "|---|")
+    for name, r in rows.items():
+        keys = ["plain", *(f"split{L}" for L in segment_lens)]
+        cells = [f"{r[f'{k}_fwd_ms']:.3f} / {r[f'{k}_fwd_bwd_ms']:.3f}" for k in keys]
+        best = min(r[f"{k}_fwd_bwd_ms"] for k in keys)
+        fla = f"{r['fla_fwd_ms']:.3f} / {r['fla_fwd_bwd_ms']:.3f}" if "fla_fwd_ms" in r else "-"
+        ratio = f"{r['fla_fwd_bwd_ms'] / best:.2f}x" if "fla_fwd_ms" in r else "-"
+        print(f"| {name} | " + " | ".join(cells) + f" | {fla} | {ratio} |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_kernels.json")
@@ -93,6 +148,11 @@ def main():
                     help="also forward+backward time and memory, with fla (scripts/bench_backward.py)")
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler CUDA time per kernel (kda_cp fwd and summary, first shape)")
+    ap.add_argument("--segments", nargs="*", metavar="SHAPE", default=None,
+                    help=f"time chunk_kda with and without segment_len at these of {list(SEGMENT_SHAPES)} "
+                         "(all when none is named) instead of the forward table")
+    ap.add_argument("--segment-len", type=int, nargs="+", default=[4096, 8192],
+                    help="the segment lengths --segments compares with no split")
     args = ap.parse_args()
 
     from kda_cp.kernels import chunk_kda_fwd, chunk_kda_fwd_prepare, chunk_kda_summary, chunk_kda_summary_prepared
@@ -112,6 +172,11 @@ def main():
         except Exception as e:
             print(f"kda_cp.ops torch backend not importable ({type(e).__name__}: {e}); skipping")
 
+    if args.segments is not None:
+        rows = bench_segments(args.segments or list(SEGMENT_SHAPES), args.segment_len, args.repeats, fla_chunk_kda)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "segments": rows}, f, indent=1)
+        return
     if args.profile:
         profile(SHAPES[args.shapes[0]], chunk_kda_fwd, chunk_kda_summary)
     if args.sweep:

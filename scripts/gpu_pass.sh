@@ -4,8 +4,9 @@
 #
 #   OUT=results bash scripts/gpu_pass.sh [tests|bench|kernels|tune|fla ...]   (default: tests bench)
 #
-# "tests": pytest -m gpu on the kernel and one-process CP tests; "bench": scripts/bench_cp.py;
+# "tests": pytest -m gpu on the kernel, segment and one-process CP tests; "bench": scripts/bench_cp.py;
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
+# "segments": bench_kernels.py --segments (B = 1, few heads, without and with segment_len, with the peer);
 # "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
 # compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes);
 # "layer": the layer's GPU tests, tests/ops/test_op_options_gpu.py and bench_layer.py --compiled-glue (LAYER_SHAPES,
@@ -27,11 +28,16 @@ for step in $STEPS; do
   case $step in
     tests)
       run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
-        tests/kernels/test_kernels_bwd_gpu.py tests/cp/test_cp_gpu.py
+        tests/kernels/test_kernels_bwd_gpu.py tests/cp/test_cp_gpu.py \
+        tests/ops/test_segments_gpu.py
       tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
     bench)
       run bench_cp ${BENCH_LIMIT:-600} python scripts/bench_cp.py --t-local 8192 32768 131072 --repeats 10 --out "$OUT/bench_cp.json"
       grep "^| " "$OUT/bench_cp.log" | head -5 | tee -a "$OUT/summary.log" ;;
+    segments)
+      run bench_segments ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --segments --repeats 10 \
+        --out "$OUT/bench_segments.json"
+      grep "^| " "$OUT/bench_segments.log" | tee -a "$OUT/summary.log" ;;
     kernels)
       run bench_kernels ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --shapes S1 S2 S3 --repeats 10 --no-torch \
         --out "$OUT/bench_kernels.json"

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from kda_cp import reference, scan
 from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_inputs,
-                        expand_value_heads,
-                        check_scale, chunk_kda, dense_on_cuda, first_order_only, get_backend)
+                        check_scale, chunk_kda, dense_on_cuda, expand_value_heads, first_order_only, get_backend,
+                        segmented)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
@@ -380,6 +380,7 @@ def cp_chunk_kda(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    segment_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
@@ -402,7 +403,9 @@ def cp_chunk_kda(
             every rank; its gradient is summed over ranks (a replicated value).
         cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
             same on every rank; sequences may cross any number of rank boundaries.
-        chunk_size, backend, check_gate, g_min: as in :func:`kda_cp.chunk_kda`.
+        chunk_size, backend, check_gate, g_min, allow_neg_eigval: as in :func:`kda_cp.chunk_kda`.
+        segment_len: as in :func:`kda_cp.chunk_kda`; this rank cuts the sequences of its own shard
+            (a rank's choice: the ranks need not agree).
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel: as
             in :func:`kda_cp.chunk_kda` (per-token transforms, applied to each shard; A_log and
             dt_bias are replicated, their gradients this rank's share).
@@ -475,6 +478,8 @@ def cp_chunk_kda(
         exchange_kind = choose_exchange(exchange, size)
         dense = dense_on_cuda(q, k, v, g, beta)
         impl = get_backend(backend, *dense, None, g_min, chunk_size)  # a bad backend fails here
+        if segment_len is not None:
+            impl = segmented(impl, segment_len, chunk_size)
     except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
         exchange_kind = "allgather"
@@ -486,7 +491,7 @@ def cp_chunk_kda(
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device)
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
-                         check_gate=False, g_min=g_min, allow_neg_eigval=allow_neg_eigval)
+                         check_gate=False, g_min=g_min, allow_neg_eigval=allow_neg_eigval, segment_len=segment_len)
     ok_shapes = error is None
     shape = list(q.shape) if ok_shapes else [0, 0, 0, 0]
     V = v.shape[-1] if ok_shapes else 0

@@ -1,0 +1,136 @@
+"""chunk_kda(segment_len=...): every sequence cut into segments run as parallel chains joined by a
+scan of their affine maps (kda_cp.parallel.segments), against the fp64 per-token recurrence:
+dense and packed, initial and final states, T not a multiple of the chunk or the segment, every
+gradient. Fresh random inputs per case (fp64, torch backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cp import chunk_kda, naive_recurrent_kda
+from kda_cp.parallel.segments import segment_plan
+
+from tests._utils import assert_close, make_inputs
+
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _run(fn, q, k, v, g, beta, h0, do, dht, cu):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu)
+    return [o, ht, *torch.autograd.grad((o, ht), leaves, (do, dht))]
+
+
+@pytest.mark.parametrize("B,T,cu,L", [
+    (2, 77, None, 16),  # 5 segments per sequence, the last one 13 tokens
+    (1, 150, None, 32),
+    (1, 150, [0, 40, 41, 41, 150], 16),  # packed: a 1-token and an empty sequence among long ones
+    (1, 93, [0, 16, 93], 48),  # a sequence exactly one segment long
+], ids=["dense-B2", "dense-B1", "packed", "packed-one-segment"])
+def test_segments_match_the_recurrence(B, T, cu, L):
+    H, K, V = 2, 8, 6
+    n = B if cu is None else len(cu) - 1
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V, seed=T + L)
+    gen = torch.Generator().manual_seed(T * L)
+    h0 = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    want = _run(naive_recurrent_kda, q, k, v, g, beta, h0, do, dht, cu_t)
+
+    def split(*a, **kw):
+        return chunk_kda(*a, **kw, chunk_size=16, segment_len=L)
+
+    got = _run(split, q, k, v, g, beta, h0, do, dht, cu_t)
+    for name, w, x in zip(NAMES, want, got):
+        assert_close(name, w, x, 1e-10)
+
+
+def test_segments_on_the_chunk_grid_equal_the_unsplit_op():
+    """Cuts on the chunk grid change only the order of fp arithmetic: the split equals the plain
+    chunked op to rounding."""
+    q, k, v, g, beta, _ = make_inputs(1, 200, 2, 8, 8, seed=5)
+    plain, _ = chunk_kda(q, k, v, g, beta, chunk_size=16)
+    split, _ = chunk_kda(q, k, v, g, beta, chunk_size=16, segment_len=64)
+    assert_close("o", plain, split, 1e-12)
+
+
+def test_plan_and_bad_segment_len():
+    plan = segment_plan((0, 40, 41, 41, 150), 16)
+    assert plan.cu == (0, 16, 32, 40, 41, 41, 57, 73, 89, 105, 121, 137, 150)
+    assert plan.first == (0, 3, 4, 5) and plan.last == (2, 3, 4, 11)
+    assert plan.steps[0] == ((0, 5), (1, 6)) and plan.steps[-1] == ((10,), (11,))
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 4, 4, seed=1)
+    for bad in (0, 24, 16.0, True):
+        with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 16"):
+            chunk_kda(q, k, v, g, beta, chunk_size=16, segment_len=bad)
+
+
+def _cp_rank(rank, world, inputs, lengths, cu, L):
+    import torch.distributed as dist
+
+    from kda_cp.parallel import cp_chunk_kda, split_sequence
+
+    q, k, v, g, beta, h0, do, dht = inputs
+    local = [split_sequence(x, world, 1, lengths)[rank].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h = h0.clone().requires_grad_(True)
+    o, ht = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h, output_final_state=True,
+                         cu_seqlens=cu, chunk_size=16, segment_len=L[rank])
+    grads = torch.autograd.grad((o, ht), [*local, h], (split_sequence(do, world, 1, lengths)[rank], dht / world))
+    return [o.detach(), ht.detach(), *grads]
+
+
+@pytest.mark.parametrize("lengths,cu,L", [
+    ([70, 61], None, [16, 32]),
+    ([40, 57, 33], [0, 20, 21, 100, 130], [16, 48, 16]),  # packed sequences crossing rank boundaries
+], ids=["p2-dense", "p3-packed"])
+def test_each_cp_rank_splits_its_shard(lengths, cu, L):
+    from tests._dist import run_ranks
+
+    T, H, K, V = sum(lengths), 2, 8, 6
+    n = 1 if cu is None else len(cu) - 1
+    q, k, v, g, beta, _ = make_inputs(1, T, H, K, V, seed=T)
+    gen = torch.Generator().manual_seed(len(lengths))
+    h0 = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    want = _run(naive_recurrent_kda, q, k, v, g, beta, h0, do, dht, cu_t)
+    res = run_ranks(_cp_rank, len(lengths), (q, k, v, g, beta, h0, do, dht), lengths, cu_t, L)
+    got = [torch.cat([r[0] for r in res], 1), res[0][1],
+           *(torch.cat([r[2 + i] for r in res], 1) for i in range(5)), res[0][7]]  # dh0: full on every rank
+    for name, w, x in zip(NAMES, want, got):
+        assert_close(name, w, x, 1e-10)
+
+
+def test_a_backend_that_keeps_tensors_for_the_backward():
+    """The forward's kept tensors (the TileLang backend keeps part of its chunk-local ones) pass
+    through the split's keep/restore: a torch backend that keeps a marker and re-prepares."""
+    from kda_cp.ops import ChunkKDAFunction, KDAOptions, TorchBackend
+    from kda_cp.parallel.segments import SegmentedBackend
+
+    class Keeping(TorchBackend):
+        restored = 0
+
+        def keep_for_backward(self, prepared):
+            return (torch.ones(1),)
+
+        def restore_prepared(self, q, k, v, g, beta, kept, opts, cu_seqlens=None):
+            assert cu_seqlens is not None and q.shape[0] == 1 and torch.equal(kept[0], torch.ones(1))
+            Keeping.restored += 1
+            return self.prepare(q, k, v, g, beta, opts, cu_seqlens)
+
+    q, k, v, g, beta, _ = make_inputs(2, 70, 2, 8, 6, seed=2)
+    h0 = torch.randn(2, 2, 8, 6, dtype=torch.float64)
+    do, dht = torch.randn(2, 70, 2, 6, dtype=torch.float64), torch.randn(2, 2, 8, 6, dtype=torch.float64)
+    want = _run(naive_recurrent_kda, q, k, v, g, beta, h0, do, dht, None)
+    opts = KDAOptions(scale=8 ** -0.5, chunk_size=16, output_final_state=True)
+
+    def split(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+        return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, SegmentedBackend(Keeping(), 32), opts)
+
+    got = _run(split, q, k, v, g, beta, h0, do, dht, None)
+    assert Keeping.restored == 1
+    for name, w, x in zip(NAMES, want, got):
+        assert_close(name, w, x, 1e-10)
