@@ -76,6 +76,9 @@ class KDAConfig:
     """See decay_init_min."""
     chunk_size: int = 64
     """Chunk length of the chunked KDA op."""
+    segment_len: int | None = None
+    """Cut each sequence (each CP rank's shard) into segments of this many tokens, a multiple of
+    chunk_size, run as parallel chains (kda_cp.chunk_kda's segment_len, docs/design.md §10); None: no split."""
     norm_eps: float = 1e-6
     """Epsilon of the per-head RMSNorm and of the L2 normalization of q and k."""
     backend: str = "auto"
@@ -101,6 +104,9 @@ class KDAConfig:
             check_chunk_size(self.chunk_size)
         except ValueError as exc:
             raise ValueError(f"KDAConfig.{exc}") from None
+        if self.segment_len is not None and (self.segment_len < 1 or self.segment_len % self.chunk_size):
+            raise ValueError(f"KDAConfig.segment_len must be a positive multiple of chunk_size = {self.chunk_size} "
+                             f"or None, got {self.segment_len}")
         if self.backend not in BACKENDS:
             raise ValueError(f"KDAConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0 < self.decay_init_min <= self.decay_init_max < (math.inf if self.g_min is None else -self.g_min):
@@ -276,12 +282,13 @@ class KDALayer(nn.Module):
         # checks every step; the checks would cost a read of q, k, v, g and a device sync per layer.
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
         neg = dict(allow_neg_eigval=True) if c.allow_neg_eigval else {}
+        seg = dict(segment_len=c.segment_len) if c.segment_len is not None else {}
         if size > 1 and cp_strategy == "ulysses":
             o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw, **neg)
         elif size > 1:
-            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw, **neg)
+            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw, **neg, **seg)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw, **neg)
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw, **neg, **seg)
         # Per-head RMSNorm times the sigmoid output gate in one fused pass.
         o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
         return self.o_proj(o)

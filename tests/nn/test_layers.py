@@ -68,6 +68,8 @@ def test_layer_bad_input():
         KDAConfig(g_min=-6.0)
     with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 4"):
         KDAConfig(num_heads=4, num_v_heads=6)
+    with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 64"):
+        KDAConfig(segment_len=100)
     with pytest.raises(ValueError, match="input_ids"):
         KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16)))(torch.randn(2, 5))
 
@@ -98,6 +100,7 @@ def _layer_body(rank, world_size, state, x, dy, lengths, cu=None, cfg=CFG):
 SOFTPLUS = {**CFG, "g_min": None}  # Kimi Linear's unbounded gate g = -exp(A_log) * softplus(.)
 GVA = {**CFG, "num_v_heads": 4}  # two value heads per key head
 NEG = {**CFG, "num_v_heads": 4, "allow_neg_eigval": True, "g_min": None}  # beta in [0, 2], softplus gate
+SEG = {**CFG, "segment_len": 16}  # each rank's shard cut into segments of one chunk
 
 
 @pytest.mark.parametrize("lengths,cu,cfg", [
@@ -108,8 +111,9 @@ NEG = {**CFG, "num_v_heads": 4, "allow_neg_eigval": True, "g_min": None}  # beta
     ([20, 2, 1, 27], [0, 21, 22, 50], CFG),  # shards shorter than the conv's halo of 3 rows
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], SOFTPLUS), ([13, 12, 14, 11], None, SOFTPLUS),
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], GVA), ([29, 21], None, GVA), ([13, 12, 14, 11], [0, 11, 12, 37, 50], NEG),
+    ([40, 35], [0, 9, 12, 50, 75], SEG),
 ], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards", "p3-packed-softplus",
-        "p4-softplus", "p3-packed-gva", "p2-gva", "p4-packed-gva-neg-eigval-softplus"])
+        "p4-softplus", "p3-packed-gva", "p2-gva", "p4-packed-gva-neg-eigval-softplus", "p2-packed-segments"])
 def test_layer_cp_matches_unsharded(lengths, cu, cfg):
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**cfg)), 7)
