@@ -284,7 +284,7 @@ class KDALayer(nn.Module):
         neg = dict(allow_neg_eigval=True) if c.allow_neg_eigval else {}
         seg = dict(segment_len=c.segment_len) if c.segment_len is not None else {}
         if size > 1 and cp_strategy == "ulysses":
-            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw, **neg)
+            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw, **neg, **seg)
         elif size > 1:
             o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw, **neg, **seg)
         else:

@@ -59,18 +59,27 @@ def segment_plan(bounds: tuple[int, ...], segment_len: int) -> SegmentPlan:
     return SegmentPlan(tuple(cu), tuple(first), tuple(last), steps)
 
 
+@functools.lru_cache(maxsize=256)
+def _device_plan(plan: SegmentPlan, device: str):
+    """The plan's offsets and index lists as int64 tensors on ``device``, made once per plan."""
+    t = lambda ids: torch.tensor(ids, dtype=torch.int64, device=device)  # noqa: E731
+    return t(plan.cu), t(plan.first), t(plan.last), tuple((t(a), t(b)) for a, b in plan.steps)
+
+
 @dataclass
 class _Prepared:
     plan: SegmentPlan
     inner: object  # the wrapped backend's prepare() result on the segments, or None
-    maps: scan.AffineMap | None = None  # (M, S~) of every segment, once the forward computed them
-    s_in: torch.Tensor | None = None  # every segment's incoming state
+    M: torch.Tensor | None = None  # every segment's transition, once computed
+    St: torch.Tensor | None = None  # every segment's S~ (the forward's chain and the CP summary)
+    s_in: torch.Tensor | None = None  # every segment's incoming state (the forward's)
+    G: torch.Tensor | None = None  # every segment's state gradient (CP computes it before the backward)
 
 
 class SegmentedBackend(Backend):
     """``inner`` run on every sequence cut into segments of ``segment_len`` tokens (module
     docstring). Same interface and results as ``inner``; q, k, v, g, beta dense [B, T, H, *]
-    (any B) or packed (B = 1 with cu_seqlens).
+    (any B) or packed (B = 1 with cu_seqlens). Calls without tokens run ``inner`` unsplit.
 
     Raises:
         ValueError: segment_len not a positive multiple of the chunk size (at the first call).
@@ -96,84 +105,89 @@ class SegmentedBackend(Backend):
     def _flat(x):
         return x if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
 
-    def _cu(self, plan, device):
-        return torch.tensor(plan.cu, dtype=torch.int64, device=device)
-
-    def _idx(self, ids, device):
-        return torch.tensor(ids, dtype=torch.int64, device=device)
+    @staticmethod
+    def _dev(plan, x):
+        return _device_plan(plan, str(x.device))
 
     # -- the two chains ----------------------------------------------------------------------
     @scan.ieee_fp32
-    def _states_in(self, plan, maps, h0):
-        """s_j of every segment: the sequence's h0 at its first segment, then s_{j+1} = M_j s_j + S~_j."""
-        dev = h0.device
-        s = h0.new_empty(maps.S.shape[0], *h0.shape[1:])
-        s[self._idx(plan.first, dev)] = h0.to(s.dtype)
-        for src, dst in plan.steps:
-            src, dst = self._idx(src, dev), self._idx(dst, dev)
-            s[dst] = (maps.M[src].to(s.dtype) @ s[src] + maps.S[src].to(s.dtype))
+    def _states_in(self, plan, M, St, h0):
+        """s_j of every segment, in the maps' dtype (the compute dtype): the sequence's h0 at its
+        first segment, then s_{j+1} = M_j s_j + S~_j."""
+        _, first, _, steps = self._dev(plan, M)
+        s = St.new_empty(St.shape[0], *h0.shape[1:])
+        s[first] = h0.to(s.dtype)
+        for src, dst in steps:
+            s[dst] = M[src] @ s[src] + St[src]
         return s
 
     @scan.ieee_fp32
     def _grads_out(self, plan, M, G, dht):
         """d_j, the gradient of every segment's final state: dht at a sequence's last segment
         (zero when None), then d_j = G_{j+1} + M_{j+1}^T d_{j+1} backwards."""
-        dev = G.device
+        _, _, last, steps = self._dev(plan, M)
+        G = G.to(M.dtype)
         d = torch.zeros_like(G)
         if dht is not None:
-            d[self._idx(plan.last, dev)] = dht.to(d.dtype)
-        for src, dst in reversed(plan.steps):
-            src, dst = self._idx(src, dev), self._idx(dst, dev)
-            d[src] = G[dst] + M[dst].to(d.dtype).transpose(-1, -2) @ d[dst]
+            d[last] = dht.to(d.dtype)
+        for src, dst in reversed(steps):
+            d[src] = G[dst] + M[dst].transpose(-1, -2) @ d[dst]
         return d
 
-    def _inner_prepared(self, q, k, v, g, beta, opts, plan, prepared):
+    def _inner_prepared(self, flat, opts, plan, prepared):
         if prepared is not None and prepared.inner is not None:
             return prepared.inner
-        return self.inner.prepare(*map(self._flat, (q, k, v, g, beta)), opts, self._cu(plan, q.device))
+        return self.inner.prepare(*flat, opts, self._dev(plan, flat[0])[0])
 
-    def _maps(self, q, k, v, g, beta, opts, plan, prepared):
-        """Every segment's (M, S~): kept from the forward, else one summary pass."""
-        if prepared is not None and prepared.maps is not None:
-            return prepared.maps
-        inner = self._inner_prepared(q, k, v, g, beta, opts, plan, prepared)
-        if inner is None:  # a backend without a prepared form (summaries from the inputs)
-            raise NotImplementedError(f"segments need a backend with prepare/summary_prepared; {self.inner.name} "
-                                      "has none")
-        M, St = self.inner.summary_prepared(inner, opts, last_only=False)
-        if prepared is not None:
-            prepared.inner = inner
-        return scan.AffineMap(M, St)
+    def _maps(self, flat, opts, plan, prepared):
+        """Every segment's (M, S~), stored in ``prepared``: kept from earlier, else one summary pass."""
+        if prepared.M is None:
+            prepared.inner = self._inner_prepared(flat, opts, plan, prepared)
+            if prepared.inner is None:  # a backend without a prepared form
+                raise NotImplementedError(f"segments need a backend with prepare/summary_prepared; "
+                                          f"{self.inner.name} has none")
+            prepared.M, prepared.St = self.inner.summary_prepared(prepared.inner, opts, last_only=False)
+        return prepared.M, prepared.St
+
+    def _state_grads(self, flat, do, opts, plan, prepared):
+        if prepared.G is None:
+            prepared.inner = self._inner_prepared(flat, opts, plan, prepared)
+            prepared.G = self.inner.state_grad(*flat, self._flat(do), opts, self._dev(plan, flat[0])[0],
+                                               prepared=prepared.inner)
+        return prepared.G
 
     # -- Backend -----------------------------------------------------------------------------
     def prepare(self, q, k, v, g, beta, opts, cu_seqlens=None):
         plan = self._plan(q, cu_seqlens, opts)
-        return _Prepared(plan, self.inner.prepare(*map(self._flat, (q, k, v, g, beta)), opts, self._cu(plan, q.device)))
+        if not plan.cu[-1]:
+            return self.inner.prepare(q, k, v, g, beta, opts, cu_seqlens)
+        flat = list(map(self._flat, (q, k, v, g, beta)))
+        return _Prepared(plan, self.inner.prepare(*flat, opts, self._dev(plan, q)[0]))
 
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
         plan = self._plan(q, cu_seqlens, opts)
+        if not plan.cu[-1]:  # no tokens: nothing to split
+            return self.inner.fwd(q, k, v, g, beta, h0, opts, cu_seqlens, prepared=prepared)
+        flat = list(map(self._flat, (q, k, v, g, beta)))
         prepared = prepared if prepared is not None else _Prepared(plan, None)
-        prepared.inner = self._inner_prepared(q, k, v, g, beta, opts, plan, prepared)
-        prepared.maps = self._maps(q, k, v, g, beta, opts, plan, prepared)
-        prepared.s_in = self._states_in(plan, prepared.maps, h0)
-        o, ht = self.inner.fwd(*map(self._flat, (q, k, v, g, beta)), prepared.s_in, opts, self._cu(plan, q.device),
-                               prepared=prepared.inner)
-        return o.reshape(*q.shape[:3], v.shape[-1]), ht[self._idx(plan.last, ht.device)]
+        M, St = self._maps(flat, opts, plan, prepared)
+        prepared.s_in = self._states_in(plan, M, St, h0)
+        cu, _, last, _ = self._dev(plan, q)
+        o, ht = self.inner.fwd(*flat, prepared.s_in, opts, cu, prepared=prepared.inner)
+        return o.reshape(*q.shape[:3], v.shape[-1]), ht[last]
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
         plan = self._plan(q, cu_seqlens, opts)
-        cu = self._cu(plan, q.device)
+        if not plan.cu[-1]:
+            return self.inner.bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
-        inner = self._inner_prepared(q, k, v, g, beta, opts, plan, prepared)
-        maps = self._maps(q, k, v, g, beta, opts, plan, _Prepared(plan, inner) if prepared is None else prepared)
-        s_in = prepared.s_in if prepared is not None and prepared.s_in is not None else self._states_in(plan, maps, h0)
-        do_f = self._flat(do)
-        G = self.inner.state_grad(*flat, do_f, opts, cu, prepared=inner)
-        d_end = self._grads_out(plan, maps.M, G.to(s_in.dtype), dht)
-        gr = self.inner.bwd(*flat, s_in, do_f, d_end, opts, cu, prepared=inner)
-        shape = lambda x, like: x.reshape(like.shape)  # noqa: E731
-        return Grads(shape(gr.dq, q), shape(gr.dk, k), shape(gr.dv, v), shape(gr.dg, g), shape(gr.dbeta, beta),
-                     gr.dh0[self._idx(plan.first, gr.dh0.device)])
+        prepared = prepared if prepared is not None else _Prepared(plan, None)
+        M, St = self._maps(flat, opts, plan, prepared)
+        s_in = prepared.s_in if prepared.s_in is not None else self._states_in(plan, M, St, h0)
+        d_end = self._grads_out(plan, M, self._state_grads(flat, do, opts, plan, prepared), dht)
+        cu, first, _, _ = self._dev(plan, q)
+        gr = self.inner.bwd(*flat, s_in, self._flat(do), d_end, opts, cu, prepared=prepared.inner)
+        return Grads(*(x.reshape(like.shape) for x, like in zip(gr[:5], (q, k, v, g, beta))), gr.dh0[first])
 
     def summary(self, k, v, g, beta, opts):
         return self.inner.summary(k, v, g, beta, opts)
@@ -182,43 +196,50 @@ class SegmentedBackend(Backend):
     def summary_prepared(self, prepared, opts, last_only):
         """Each sequence's map, its segments' maps composed (the segment maps stay in ``prepared``
         for the forward that follows)."""
+        if not isinstance(prepared, _Prepared):  # a call without tokens
+            return self.inner.summary_prepared(prepared, opts, last_only)
         plan = prepared.plan
-        if prepared.maps is None:
-            M, St = self.inner.summary_prepared(prepared.inner, opts, last_only=False)
-            prepared.maps = scan.AffineMap(M, St)
-        M, S = prepared.maps.M.clone(), prepared.maps.S.clone()
-        for src, dst in plan.steps:  # acc[next] = maps[next] o acc[segment]
-            src, dst = self._idx(src, M.device), self._idx(dst, M.device)
+        if prepared.M is None:
+            prepared.M, prepared.St = self.inner.summary_prepared(prepared.inner, opts, last_only=False)
+        M, S = prepared.M.clone(), prepared.St.clone()
+        _, _, last, steps = self._dev(plan, M)
+        for src, dst in steps:  # acc[next] = maps[next] o acc[segment]
             M[dst], S[dst] = scan.compose(scan.AffineMap(M[dst], S[dst]), scan.AffineMap(M[src], S[src]))
-        last = self._idx(plan.last[-1:] if last_only else plan.last, M.device)
+        last = last[-1:] if last_only else last
         return M[last], S[last]
 
     def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
         plan = self._plan(q, cu_seqlens, opts)
+        if not plan.cu[-1]:
+            return self.inner.state_grad(q, k, v, g, beta, do, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
-        inner = self._inner_prepared(q, k, v, g, beta, opts, plan, prepared)
-        maps = self._maps(q, k, v, g, beta, opts, plan, _Prepared(plan, inner) if prepared is None else prepared)
-        G = self.inner.state_grad(*flat, self._flat(do), opts, self._cu(plan, q.device), prepared=inner)
-        d_end = self._grads_out(plan, maps.M, G.to(maps.S.dtype), None)
+        if prepared is None:  # nothing to share with a backward that follows
+            prepared = _Prepared(plan, None)
+        M, _ = self._maps(flat, opts, plan, prepared)
+        G = self._state_grads(flat, do, opts, plan, prepared).to(M.dtype)
+        d_end = self._grads_out(plan, M, G, None)
+        first = self._dev(plan, q)[1]
         with scan.ieee_fp32_matmul():
-            first = self._idx(plan.first, G.device)
-            return G[first] + maps.M[first].transpose(-1, -2) @ d_end[first]
+            return G[first] + M[first].transpose(-1, -2) @ d_end[first]
 
     def keep_for_backward(self, prepared):
-        if prepared is None:
-            return ()
+        if not isinstance(prepared, _Prepared):
+            return self.inner.keep_for_backward(prepared)
         inner = self.inner.keep_for_backward(prepared.inner)
-        extra = () if prepared.s_in is None else (prepared.maps.M, prepared.maps.S, prepared.s_in)
+        extra = () if prepared.s_in is None else (prepared.M, prepared.s_in)
         return (torch.tensor(len(inner)), *inner, *extra)
 
     def restore_prepared(self, q, k, v, g, beta, kept, opts, cu_seqlens=None):
+        plan = self._plan(q, cu_seqlens, opts)
+        if not plan.cu[-1]:
+            return self.inner.restore_prepared(q, k, v, g, beta, kept, opts, cu_seqlens)
         n = int(kept[0])
         inner_kept, extra = kept[1:1 + n], kept[1 + n:]
         inner = None
         if n:
-            inner = self.inner.restore_prepared(*map(self._flat, (q, k, v, g, beta)), inner_kept, opts,
-                                                self._cu(self._plan(q, cu_seqlens, opts), q.device))
-        out = _Prepared(self._plan(q, cu_seqlens, opts), inner)
+            flat = list(map(self._flat, (q, k, v, g, beta)))
+            inner = self.inner.restore_prepared(*flat, inner_kept, opts, self._dev(plan, q)[0])
+        out = _Prepared(plan, inner)
         if extra:
-            out.maps, out.s_in = scan.AffineMap(extra[0], extra[1]), extra[2]
+            out.M, out.s_in = extra
         return out

@@ -133,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Raised alike on every rank: rank 0 reports it. Anything else may be one rank's own.
         shared = isinstance(exc, (ConfigError, CheckpointWriteError, FloatingPointError))
-        if rank == 0 or not shared:
-            who = "" if shared or world == 1 else f"rank {rank}: "
-            name = "" if isinstance(exc, (ConfigError, CheckpointWriteError)) else f"{type(exc).__name__}: "
-            print(f"error: {who}{name}{one_line(exc)}", file=sys.stderr, flush=True)
-        else:
+        name = "" if isinstance(exc, (ConfigError, CheckpointWriteError)) else f"{type(exc).__name__}: "
+        who = "" if (shared and rank == 0) or world == 1 else f"rank {rank}: "
+        if shared and rank != 0:
             # Rank 0 reports this error; exiting first would let torchrun stop rank 0 before it prints.
-            # torchrun ends this wait as soon as rank 0 exits.
+            # torchrun ends this wait as soon as rank 0 exits; a rank still here after it reports
+            # the error itself (rank 0 did not raise it, or another launcher runs the ranks).
             time.sleep(SHARED_ERROR_WAIT_S)
+        print(f"error: {who}{name}{one_line(exc)}", file=sys.stderr, flush=True)
         status = 1
     finally:
         if dist.is_initialized():

@@ -44,7 +44,8 @@ class ParallelConfig:
     """torch CPU threads per process; None means cpu_count // local processes (1 on 2 cores x 2 ranks)."""
     strategy: str = "scan"
     """How KDA layers run on a sharded sequence: "scan" (affine prefix scan over ranks) or
-    "ulysses" (head-parallel all-to-all; needs num_heads % cp == 0 and seq_len % cp == 0)."""
+    "ulysses" (head-parallel all-to-all; needs the KDA value heads (num_v_heads, else num_heads)
+    and seq_len divisible by cp)."""
     ulysses_impl: str = "auto"
     """All-to-all of the ulysses strategy: "deepspeed" (DistributedAttention), "torch", or "auto"
     (deepspeed when installed)."""

@@ -25,20 +25,21 @@ def _inputs(B, T, H, K, V, seed=0, HV=None):
     return q, k, v, g, beta
 
 
-def _body(rank, world_size, inputs, do, impl):
+def _body(rank, world_size, inputs, do, impl, segment_len=None):
     import torch.distributed as dist
 
     T_r = inputs[0].shape[1] // world_size
     sl = slice(rank * T_r, (rank + 1) * T_r)
     xs = [t[:, sl].clone().requires_grad_(True) for t in inputs]
-    o = ulysses_kda(*xs, cp_group=dist.group.WORLD, chunk_size=16, impl=impl)
+    o = ulysses_kda(*xs, cp_group=dist.group.WORLD, chunk_size=16, impl=impl, segment_len=segment_len)
     (o * do[:, sl]).sum().backward()
     return {"o": o.detach(), "grads": [x.grad for x in xs]}
 
 
 @pytest.mark.parametrize("impl", ["torch", "deepspeed"])
-@pytest.mark.parametrize("P,H,HV", [(2, 4, 4), (4, 4, 4), (4, 2, 4)], ids=["p2-h4", "p4-h4", "p4-gva-h2-hv4"])
-def test_ulysses_matches_unsharded(P, H, HV, impl):
+@pytest.mark.parametrize("P,H,HV,L", [(2, 4, 4, None), (4, 4, 4, None), (4, 2, 4, None), (2, 4, 4, 16)],
+                         ids=["p2-h4", "p4-h4", "p4-gva-h2-hv4", "p2-h4-segments"])
+def test_ulysses_matches_unsharded(P, H, HV, L, impl):
     if impl == "deepspeed":
         require_deepspeed()
     B, T, K, V = 2, 40, 8, 6
@@ -46,7 +47,7 @@ def test_ulysses_matches_unsharded(P, H, HV, impl):
     do = torch.randn(B, T, HV, V, dtype=torch.float64)
     o, _ = chunk_kda(*inputs, chunk_size=16)
     (o * do).sum().backward()
-    res = run_ranks(_body, P, [t.detach() for t in inputs], do, impl)
+    res = run_ranks(_body, P, [t.detach() for t in inputs], do, impl, L)
     torch.testing.assert_close(torch.cat([r["o"] for r in res], 1), o.detach(), rtol=1e-11, atol=1e-11)
     for i, name in enumerate(["dq", "dk", "dv", "dg", "dbeta"]):
         got = torch.cat([r["grads"][i] for r in res], 1)

@@ -1,5 +1,6 @@
-"""The KDA layer on CUDA (compiled glue, TileLang kernels, bf16 autocast) against the fp64 layer
-on CPU, and chunk_kda's input options through the kernels."""
+"""The KDA layer on CUDA (TileLang kernels, bf16 autocast; the conv glue on its TileLang kernels
+and through torch.compile) against the fp64 layer on CPU, and chunk_kda's input options through
+the kernels."""
 
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def _layer_errors(B, T, cu, og_rank):
 
 
 @CASES
-def test_layer_matches_fp64(B, T, cu, og_rank):
+@pytest.mark.parametrize("glue", ["all", "0"], ids=["conv-kernels", "compiled-conv"])
+def test_layer_matches_fp64(B, T, cu, og_rank, glue, monkeypatch):
+    monkeypatch.setenv("KDA_CP_GLUE_KERNELS", glue)
     errs = _layer_errors(B, T, cu, og_rank)
     bad = {n: e for n, e in errs.items() if not e <= (GATE_TOL if n in GATE_PATH else TOL)}
     assert not bad, f"relative RMS error above {TOL} ({GATE_TOL} on the gate path): {bad}"

@@ -134,3 +134,17 @@ def test_a_backend_that_keeps_tensors_for_the_backward():
     assert Keeping.restored == 1
     for name, w, x in zip(NAMES, want, got):
         assert_close(name, w, x, 1e-10)
+
+
+def test_the_chain_runs_in_the_compute_dtype_and_empty_inputs_pass_through():
+    """An fp32 initial_state with fp64 inputs: the segment chain stays fp64 (as the unsplit op);
+    no tokens: the split runs the op unsplit."""
+    q, k, v, g, beta, _ = make_inputs(1, 100, 2, 8, 6, seed=8)
+    h0 = torch.randn(1, 2, 8, 6, generator=torch.Generator().manual_seed(8))  # fp32
+    plain = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    split = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16, segment_len=32)
+    for name, a, b in zip(("o", "final_state"), plain, split):
+        assert_close(name, a, b, 1e-12)
+    empty = [x[:, :0] for x in (q, k, v, g, beta)]
+    o, ht = chunk_kda(*empty, initial_state=h0.double(), output_final_state=True, chunk_size=16, segment_len=32)
+    assert o.shape == (1, 0, 2, 6) and torch.equal(ht, h0.double())

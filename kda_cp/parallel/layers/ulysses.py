@@ -153,6 +153,7 @@ def ulysses_kda(
     impl: UlyssesImpl = "auto",
     check_gate: bool = True,
     allow_neg_eigval: bool = False,
+    segment_len: int | None = None,
 ) -> torch.Tensor:
     """KDA on a sequence sharded over ``cp_group``, head-parallel (Ulysses).
 
@@ -161,8 +162,9 @@ def ulysses_kda(
             this rank's contiguous shard, T_r = T / P on every rank. Or v, g, beta with HV heads,
             a multiple of H (GVA; q and k are then repeated to HV heads before the exchange).
         cp_group: the CP group (collective), or None / size 1 (then plain chunk_kda).
-        chunk_size, backend, g_min, check_gate, allow_neg_eigval: as in :func:`kda_cp.chunk_kda` (the
-            value checks run on every rank's shard before the exchange).
+        chunk_size, backend, g_min, check_gate, allow_neg_eigval, segment_len: as in
+            :func:`kda_cp.chunk_kda` (the value checks run on every rank's shard before the exchange;
+            each rank splits the whole sequences of its heads).
         impl: "deepspeed" (DistributedAttention), "torch" (own all-to-all), or "auto".
 
     Returns:
@@ -174,7 +176,8 @@ def ulysses_kda(
             unequal shard lengths, or a bad ``impl``. Checked before any exchange: nothing hangs. Also
             on a rank that is not a member of ``cp_group``.
     """
-    kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min, allow_neg_eigval=allow_neg_eigval)
+    kw = dict(chunk_size=chunk_size, backend=backend, g_min=g_min, allow_neg_eigval=allow_neg_eigval,
+              segment_len=segment_len)
     P = group_rank_and_size(cp_group)[1]  # ValueError on a rank outside cp_group
 
     if P == 1:
@@ -189,7 +192,8 @@ def ulysses_kda(
         check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False,
                      allow_neg_eigval=allow_neg_eigval)
         if q.shape[2] % P:
-            raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0, got num_heads={q.shape[2]}, cp={P}")
+            raise ValueError(f"parallel.strategy=ulysses needs num_heads % cp == 0 (the value heads with GVA), "
+                             f"got {q.shape[2]} heads, cp={P}")
         if backend not in BACKENDS:  # a bad name fails here, on its rank, not inside the exchange
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         B, T_r, H, K = q.shape
