@@ -3,6 +3,7 @@
 Usage (on a Hopper GPU):
     python scripts/bench_kernels.py --out bench.json [--shapes S1 S2 S3] [--repeats 20] [--backward]
     python scripts/bench_kernels.py --segments [SHAPE ...] [--segment-len 4096 8192] --out seg.json
+    python scripts/bench_kernels.py --options [gva neg-eigval general-gate] --out options.json
 
 For each shape: bf16 q, k (L2-normalised), v; g = -5 * sigmoid(randn) (bounded at -5); beta ~ U(0,1).
 Times (median over --repeats, CUDA events around each call, after warm-up):
@@ -18,7 +19,9 @@ backward and the allocator peak, kda_cp and fla side by side through autograd, a
 (scripts/bench_backward.py's measurement, under "backward" in the JSON; fla's first step per shape
 autotunes, 30 s to minutes). With --segments, chunk_kda through autograd at B = 1 and few heads
 (SEGMENT_SHAPES) without and with segment_len, and the peer, forward and forward+backward, in place
-of the forward table. Prints markdown tables and writes JSON to --out.
+of the forward table. With --options, GVA (H = 16, HV = 32), negative eigenvalues and the general
+(softplus) gate at S1-shaped inputs, kda_cp and the peer with the same options (the general gate
+runs on kda_cp's torch backend until it has kernels). Prints markdown tables and writes JSON to --out.
 """
 import argparse
 import json
@@ -135,6 +138,73 @@ def bench_segments(shapes, segment_lens, repeats, fla_chunk_kda):
     return rows
 
 
+#: The peer's options at S1-shaped inputs (--options): B = 1, T = 32768, K = V = 128.
+OPTION_CASES = {
+    "gva": dict(H=16, HV=32, neg=False, bounded=True),  # grouped value attention, 2 value heads per key head
+    "neg-eigval": dict(H=32, HV=32, neg=True, bounded=True),  # beta = 2 sigmoid(b) in [0, 2]
+    "general-gate": dict(H=32, HV=32, neg=False, bounded=False),  # g = -exp(A_log) softplus(.), no bound
+}
+
+
+def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128):
+    """chunk_kda and the peer's chunk_kda through autograd, forward and forward+backward, with the
+    options of OPTION_CASES; both take the gate and beta pre-activations (use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel) so that each applies its own gate form."""
+    from kda_cp.ops import chunk_kda
+
+    rows = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    for name in cases:
+        c = OPTION_CASES[name]
+        H, HV = c["H"], c["HV"]
+        q = r(1, T, H, K).bfloat16()
+        k = torch.nn.functional.normalize(r(1, T, H, K), dim=-1).bfloat16()
+        v = r(1, T, HV, K).bfloat16()
+        z, b = r(1, T, HV, K), r(1, T, HV)
+        A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
+        dt_bias = r(HV * K)
+        do = r(1, T, HV, K).bfloat16()
+        leaves = [x.requires_grad_(True) for x in (q, k, v, z, b)]
+        g_min = -5.0 if c["bounded"] else None
+        opts = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                    allow_neg_eigval=c["neg"])
+        impls = {"kda_cp": lambda *x: chunk_kda(*x, g_min=g_min, check_gate=False, **opts)}
+        if fla_chunk_kda is not None:
+            impls["fla"] = lambda *x: fla_chunk_kda(*x, safe_gate=c["bounded"], lower_bound=g_min, **opts)
+        row = dict(c, T=T, K=K)
+        for impl, fn in impls.items():
+            try:
+                with torch.no_grad():
+                    row[f"{impl}_fwd_ms"] = time_ms(lambda: fn(*leaves), repeats)
+                row[f"{impl}_fwd_bwd_ms"] = time_ms(lambda: torch.autograd.grad(fn(*leaves)[0], leaves, do), repeats)
+            except Exception as e:  # e.g. out of memory on a torch fallback
+                row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch.cuda.empty_cache()
+        if all(f"{i}_fwd_ms" in row for i in ("kda_cp", "fla")):
+            with torch.no_grad():
+                o1, o2 = (impls[i](*leaves)[0].double() for i in ("fla", "kda_cp"))
+            row["rel_rms_vs_fla"] = ((o2 - o1).norm() / o1.norm()).item()
+        rows[name] = row
+        print(name, json.dumps(row), flush=True)
+        del q, k, v, z, b, do, leaves
+        torch.cuda.empty_cache()
+    print("\n| case | kda_cp fwd / fwd+bwd ms | fla fwd / fwd+bwd ms | fla / kda_cp fwd | fla / kda_cp fwd+bwd |")
+    print("|---|---|---|---|---|")
+    for name, r_ in rows.items():
+        if "kda_cp_fwd_bwd_ms" not in r_:
+            print(f"| {name} H={r_['H']} HV={r_['HV']} | {r_.get('kda_cp_error', '-')} | | | |")
+            continue
+        ours = f"{r_['kda_cp_fwd_ms']:.3f} / {r_['kda_cp_fwd_bwd_ms']:.3f}"
+        if "fla_fwd_bwd_ms" in r_:
+            peer = f"{r_['fla_fwd_ms']:.3f} / {r_['fla_fwd_bwd_ms']:.3f}"
+            ratios = (f"{r_['fla_fwd_ms'] / r_['kda_cp_fwd_ms']:.2f}x", f"{r_['fla_fwd_bwd_ms'] / r_['kda_cp_fwd_bwd_ms']:.2f}x")
+        else:
+            peer, ratios = "-", ("-", "-")
+        print(f"| {name} H={r_['H']} HV={r_['HV']} | {ours} | {peer} | {ratios[0]} | {ratios[1]} |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_kernels.json")
@@ -153,6 +223,9 @@ def main():
                          "(all when none is named) instead of the forward table")
     ap.add_argument("--segment-len", type=int, nargs="+", default=[4096, 8192],
                     help="the segment lengths --segments compares with no split")
+    ap.add_argument("--options", nargs="*", metavar="CASE", default=None,
+                    help=f"time the peer's options {list(OPTION_CASES)} (all when none is named) at S1-shaped "
+                         "inputs instead of the forward table")
     args = ap.parse_args()
 
     from kda_cp.kernels import chunk_kda_fwd, chunk_kda_fwd_prepare, chunk_kda_summary, chunk_kda_summary_prepared
@@ -172,6 +245,11 @@ def main():
         except Exception as e:
             print(f"kda_cp.ops torch backend not importable ({type(e).__name__}: {e}); skipping")
 
+    if args.options is not None:
+        rows = bench_options(args.options or list(OPTION_CASES), args.repeats, fla_chunk_kda)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": rows}, f, indent=1)
+        return
     if args.segments is not None:
         rows = bench_segments(args.segments or list(SEGMENT_SHAPES), args.segment_len, args.repeats, fla_chunk_kda)
         with open(args.out, "w") as f:

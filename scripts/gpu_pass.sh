@@ -7,6 +7,7 @@
 # "tests": pytest -m gpu on the kernel, segment and one-process CP tests; "bench": scripts/bench_cp.py;
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);
 # "segments": bench_kernels.py --segments (B = 1, few heads, without and with segment_len, with the peer);
+# "options": bench_kernels.py --options (GVA, negative eigenvalues, the general gate, with the peer);
 # "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
 # compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes);
 # "layer": the layer's GPU tests, tests/ops/test_op_options_gpu.py and bench_layer.py --compiled-glue (LAYER_SHAPES,
@@ -34,6 +35,10 @@ for step in $STEPS; do
     bench)
       run bench_cp ${BENCH_LIMIT:-600} python scripts/bench_cp.py --t-local 8192 32768 131072 --repeats 10 --out "$OUT/bench_cp.json"
       grep "^| " "$OUT/bench_cp.log" | head -5 | tee -a "$OUT/summary.log" ;;
+    options)
+      run bench_options ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --options --repeats 10 \
+        --out "$OUT/bench_options.json"
+      grep "^| " "$OUT/bench_options.log" | tee -a "$OUT/summary.log" ;;
     segments)
       run bench_segments ${BENCH_LIMIT:-600} python scripts/bench_kernels.py --segments --repeats 10 \
         --out "$OUT/bench_segments.json"
