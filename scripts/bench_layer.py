@@ -35,6 +35,7 @@ import torch
 from _bench import time_ms
 from bench_backward import kernel_table, peak_above_base, print_table, rel
 
+from kda_cp.interop import import_kda_state_dict
 from kda_cp.layers import KDAConfig, KDALayer
 
 LAYER_SHAPES = {
@@ -50,24 +51,6 @@ IMPLS = ("kda_cp", "kda_cp compiled glue", "fla")
 def layer_config(D, H, backend):
     return KDAConfig(d_model=D, num_heads=H, head_dim=HEAD_DIM, output_gate_rank=HEAD_DIM, g_min=-5.0,
                      chunk_size=64, backend=backend)
-
-
-@torch.no_grad()
-def copy_from_fla(ours: KDALayer, peer) -> None:
-    """Load the peer layer's weights into kda_cp's layer (the same function, stacked differently)."""
-    p = peer.inner
-    ours.qkv_proj.weight.copy_(torch.cat([p.q_proj.weight, p.k_proj.weight, p.v_proj.weight]))
-    ours.qkv_conv.weight.copy_(torch.cat([c.weight[:, 0] for c in (p.q_conv1d, p.k_conv1d, p.v_conv1d)]))
-    ours.g_down.weight.copy_(p.f_proj[0].weight)
-    ours.g_up.weight.copy_(p.f_proj[1].weight)
-    ours.g_up.bias.copy_(p.dt_bias)
-    ours.A_log.copy_(p.A_log)
-    ours.b_proj.weight.copy_(p.b_proj.weight)
-    ours.og_proj[0].weight.copy_(p.g_proj[0].weight)
-    ours.og_proj[1].weight.copy_(p.g_proj[1].weight)
-    ours.og_proj[1].bias.copy_(p.g_proj[1].bias)
-    ours.o_norm.weight.copy_(p.o_norm.weight)
-    ours.o_proj.weight.copy_(p.o_proj.weight)
 
 
 def measure(layer, x, dy, repeats, profile):
@@ -116,7 +99,8 @@ def bench_shape(name, repeats, profile, with_fla, compiled_glue=False):
         with torch.no_grad():  # move the peer's parameters off their init (norm weights 1, A_log 0)
             for prm in peer.parameters():
                 prm.mul_(1 + 0.1 * torch.randn_like(prm))
-        copy_from_fla(ours, peer)
+        # the peer's weights through the converter users call (kda_cp.interop)
+        ours.load_state_dict(import_kda_state_dict(peer.inner.state_dict(), ours.config, "fla"))
     out["kda_cp"] = measure(ours, x, dy, repeats, profile)
     if compiled_glue:
         saved = os.environ.get("KDA_CP_GLUE_KERNELS", "all")

@@ -56,7 +56,7 @@ for step in $STEPS; do
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     layer)
       run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
-        tests/ops/test_op_options_gpu.py
+        tests/ops/test_op_options_gpu.py tests/nn/test_interop_gpu.py
       tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
         --compiled-glue ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"

@@ -14,15 +14,15 @@ pytestmark = pytest.mark.gpu
 TOL = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 8e-3}
 
 
-def _inputs(T, H, n, K=128):
+def _inputs(B, T, H, n, K=128):
     dev = "cuda"
-    q = torch.randn(1, T, H, K, device=dev).to(torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
-    v = torch.randn(1, T, H, K, device=dev).to(torch.bfloat16)
-    g = -5 * torch.sigmoid(torch.randn(1, T, H, K, device=dev))
-    beta = torch.rand(1, T, H, device=dev)
+    q = torch.randn(B, T, H, K, device=dev).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, H, K, device=dev).to(torch.bfloat16)
+    g = -5 * torch.sigmoid(torch.randn(B, T, H, K, device=dev))
+    beta = torch.rand(B, T, H, device=dev)
     h0 = torch.randn(n, H, K, K, device=dev)
-    do = torch.randn(1, T, H, K, device=dev).to(torch.bfloat16)
+    do = torch.randn(B, T, H, K, device=dev).to(torch.bfloat16)
     dht = torch.randn(n, H, K, K, device=dev)
     return q, k, v, g, beta, h0, do, dht
 
@@ -33,11 +33,12 @@ def _run(fn, q, k, v, g, beta, h0, do, dht, cu, **kw):
     return [o, ht, *torch.autograd.grad((o, ht), leaves, (do, dht))]
 
 
-@pytest.mark.parametrize("cu,L", [(None, 256), ([0, 300, 301, 1000], 128)], ids=["dense", "packed"])
-def test_split_on_the_kernels_matches_fp64(cu, L):
+@pytest.mark.parametrize("B,cu,L", [(1, None, 256), (2, None, 192), (1, [0, 300, 301, 1000], 128)],
+                         ids=["dense", "dense-B2", "packed"])
+def test_split_on_the_kernels_matches_fp64(B, cu, L):
     T, H = 1000, 2
     cu_t = None if cu is None else torch.tensor(cu, device="cuda")
-    inputs = _inputs(T, H, 1 if cu is None else len(cu) - 1)
+    inputs = _inputs(B, T, H, B if cu is None else len(cu) - 1)
     want = _run(naive_recurrent_kda, *(x.double() for x in inputs), cu_t)
     got = _run(chunk_kda, *inputs, cu_t, backend="tilelang", segment_len=L)
     for name, a, b in zip(TOL, want, got):
