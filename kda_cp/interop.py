@@ -61,13 +61,23 @@ def _shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
             "og_proj.1.bias": (HV * V,), "o_norm.weight": (V,), "o_proj.weight": (D, HV * V)}
 
 
-def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], layout: str) -> torch.Tensor:
+def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], problems: list[str]):
+    """sd[name] if present with ``shape``; else None, with the problem appended to ``problems``."""
     if name not in sd:
-        raise ValueError(f"{layout} state dict has no {name!r} (keys: {sorted(sd)[:20]}...)")
+        problems.append(f"missing {name!r}")
+        return None
     t = sd[name]
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{layout} state dict: {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        problems.append(f"{name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return None
     return t
+
+
+def _raise(problems: list[str], layout: str, config: KDAConfig) -> None:
+    if problems:
+        raise ValueError(f"{layout} state dict does not fit the layer config (d_model={config.d_model}, num_heads="
+                         f"{config.num_heads}, num_v_heads={config.v_heads}, head_dim={config.head_dim}): "
+                         + "; ".join(problems))
 
 
 def _check_layout(layout: str, config: KDAConfig) -> None:
@@ -83,38 +93,41 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     docstring), keys without a prefix; tensors keep their dtype.
 
     Raises:
-        ValueError: an unknown layout, a missing key, a shape that does not fit ``config``, a
-            convolution bias (kda_cp's short convolution has none), or keys left over.
+        ValueError: an unknown layout; or, all in one message, missing keys, shapes that do not fit
+            ``config``, a convolution bias (kda_cp's short convolution has none) and keys left over.
     """
     _check_layout(layout, config)
     shapes = _shapes(config)
     c = config
     HK, HV, W = c.num_heads * c.head_dim, c.v_heads * c.v_dim, c.conv_size
-    out, used = {}, set()
+    problems: list[str] = []
+    used = set()
 
     def take(name, shape):
         used.add(name)
-        return _take(sd, name, shape, layout)
+        return _take(sd, name, shape, problems)
 
-    out["qkv_proj.weight"] = torch.cat([take("q_proj.weight", (HK, c.d_model)), take("k_proj.weight", (HK, c.d_model)),
-                                        take("v_proj.weight", (HV, c.d_model))])
     for part in ("q", "k", "v"):
         if f"{part}_conv1d.bias" in sd:
-            raise ValueError(f"{layout} state dict has {part}_conv1d.bias: kda_cp's short convolution has no bias")
-    out["qkv_conv.weight"] = torch.cat([take(f"{p}_conv1d.weight", (n, 1, W))[:, 0]
-                                        for p, n in (("q", HK), ("k", HK), ("v", HV))])
-    for ours, theirs in _GATES[layout].items():
-        out[ours] = take(theirs, shapes[ours])
-    if layout == "kimi":  # no output-gate bias: zero; A_log stored as [1, 1, H, 1]
-        out["og_proj.1.bias"] = torch.zeros(shapes["og_proj.1.bias"], dtype=out["og_proj.1.weight"].dtype)
-        out["A_log"] = take("A_log", (1, 1, c.v_heads, 1)).reshape(c.v_heads)
-    else:
-        out["A_log"] = take("A_log", shapes["A_log"])
-    for name in _SAME:
-        out[name] = take(name, shapes[name])
+            used.add(f"{part}_conv1d.bias")
+            problems.append(f"{part}_conv1d.bias is present: kda_cp's short convolution has no bias")
+    parts = {"q": HK, "k": HK, "v": HV}
+    proj = [take(f"{p}_proj.weight", (n, c.d_model)) for p, n in parts.items()]
+    conv = [take(f"{p}_conv1d.weight", (n, 1, W)) for p, n in parts.items()]
+    for what, ts in (("q/k/v_proj", proj), ("q/k/v_conv1d", conv)):  # stacked into one tensor: one dtype
+        if len({x.dtype for x in ts if x is not None}) > 1:
+            problems.append(f"{what} weights differ in dtype ({', '.join(str(x.dtype) for x in ts if x is not None)})")
+    gates = {ours: take(theirs, shapes[ours]) for ours, theirs in _GATES[layout].items()}
+    A_log = take("A_log", (1, 1, c.v_heads, 1) if layout == "kimi" else shapes["A_log"])
+    same = {name: take(name, shapes[name]) for name in _SAME}
     left = sorted(set(sd) - used)
     if left:
-        raise ValueError(f"{layout} state dict has keys this layer does not have: {left}")
+        problems.append(f"keys this layer does not have: {left}")
+    _raise(problems, layout, config)
+    out = {"qkv_proj.weight": torch.cat(proj), "qkv_conv.weight": torch.cat([w[:, 0] for w in conv]), **gates, **same}
+    out["A_log"] = A_log.reshape(c.v_heads)
+    if layout == "kimi":  # no output-gate bias: zero
+        out["og_proj.1.bias"] = torch.zeros(shapes["og_proj.1.bias"], dtype=out["og_proj.1.weight"].dtype)
     return {k: v.clone() for k, v in out.items()}
 
 
@@ -123,14 +136,20 @@ def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     """The inverse of :func:`import_kda_state_dict`: a KDALayer state dict in ``layout``.
 
     Raises:
-        ValueError: an unknown layout, a missing key or a shape that does not fit ``config``, or
-            (layout "kimi", which has no output-gate bias) a nonzero og_proj.1.bias.
+        ValueError: an unknown layout; missing keys, shapes that do not fit ``config`` or keys the
+            layer does not have (all in one message); or (layout "kimi", which has no output-gate
+            bias) a nonzero og_proj.1.bias.
     """
     _check_layout(layout, config)
     shapes = _shapes(config)
     c = config
     HK = c.num_heads * c.head_dim
-    t = {name: _take(sd, name, shape, "kda_cp") for name, shape in shapes.items()}
+    problems: list[str] = []
+    t = {name: _take(sd, name, shape, problems) for name, shape in shapes.items()}
+    left = sorted(set(sd) - set(shapes))
+    if left:
+        problems.append(f"keys the layer does not have: {left}")
+    _raise(problems, "kda_cp", config)
     q, k, v = t["qkv_proj.weight"].split([HK, HK, c.v_heads * c.v_dim])
     out = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v}
     for p, w in zip("qkv", t["qkv_conv.weight"].split([HK, HK, c.v_heads * c.v_dim])):

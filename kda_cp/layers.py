@@ -85,6 +85,13 @@ class KDAConfig:
     """KDA op backend: "auto", "torch" or "tilelang" (see kda_cp.ops.get_backend)."""
 
     def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "head_dim", "conv_size", "chunk_size", "num_v_heads", "value_dim",
+                     "gate_rank", "output_gate_rank", "segment_len"):
+            x = getattr(self, name)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
+                raise ValueError(f"KDAConfig.{name} must be an int, got {x!r}")
+        if not isinstance(self.allow_neg_eigval, bool):
+            raise ValueError(f"KDAConfig.allow_neg_eigval must be a bool, got {self.allow_neg_eigval!r}")
         for name in ("d_model", "num_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")

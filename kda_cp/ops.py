@@ -123,6 +123,8 @@ def check_inputs(
 
     ``layout_warning``: warn once when T < H (a likely head-first layout); CP shards may be short.
     """
+    if not isinstance(allow_neg_eigval, bool):
+        raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -199,7 +201,7 @@ def check_inputs(
             raise ValueError(
                 f"beta (the write strength, sigmoid of a projection) must lie in [0, {top}]"
                 f"{' (allow_neg_eigval)' if allow_neg_eigval else ' (allow_neg_eigval=True allows [0, 2])'}; "
-                f"min = {lo:.4g}, max = {hi:.4g}. Pass check_gate=False to skip the value checks"
+                f"min = {lo:.7g}, max = {hi:.7g}. Pass check_gate=False to skip the value checks"
             )
 
 
@@ -448,14 +450,21 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
     return _TORCH
 
 
+def check_segment_len(segment_len, chunk_size: int) -> None:
+    """ValueError unless segment_len is None or a positive int multiple of chunk_size."""
+    if segment_len is None:
+        return
+    if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1 or segment_len % chunk_size:
+        raise ValueError(f"segment_len must be a positive multiple of chunk_size = {chunk_size}, got {segment_len!r}")
+
+
 def segmented(impl: Backend, segment_len: int, chunk_size: int) -> Backend:
     """``impl`` run on segments of ``segment_len`` tokens (:class:`kda_cp.parallel.segments.SegmentedBackend`).
 
     Raises:
-        ValueError: segment_len not a positive multiple of chunk_size.
+        ValueError: segment_len not a positive int multiple of chunk_size.
     """
-    if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1 or segment_len % chunk_size:
-        raise ValueError(f"segment_len must be a positive multiple of chunk_size = {chunk_size}, got {segment_len!r}")
+    check_segment_len(segment_len, chunk_size)
     from kda_cp.parallel.segments import SegmentedBackend  # kda_cp.parallel imports this module
 
     return SegmentedBackend(impl, segment_len)

@@ -94,7 +94,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
             return compose(config_name="config", overrides=list(overrides))
     except Exception as exc:
-        raise ConfigError(one_line(exc)) from exc
+        text, cause = one_line(exc), exc.__cause__  # Hydra's "Error merging override" keeps the reason in its cause
+        if cause is not None and one_line(cause) not in text:
+            text = f"{text}: {one_line(cause)}"
+        raise ConfigError(text) from exc
 
 
 SHARED_ERROR_WAIT_S = 30  # how long a rank other than 0 waits for rank 0 to print a shared error

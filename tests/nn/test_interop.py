@@ -112,7 +112,7 @@ def test_bad_state_dicts_raise():
     sd = _fla_weights(seed=1)
     with pytest.raises(ValueError, match="layout must be one of"):
         import_kda_state_dict(sd, cfg, "hf")
-    with pytest.raises(ValueError, match="no 'dt_bias'"):
+    with pytest.raises(ValueError, match="missing 'dt_bias'"):
         import_kda_state_dict({k: v for k, v in sd.items() if k != "dt_bias"}, cfg)
     with pytest.raises(ValueError, match=r"'A_log' has shape \(3,\), expected \(2,\)"):
         import_kda_state_dict({**sd, "A_log": torch.zeros(3)}, cfg)
@@ -126,3 +126,14 @@ def test_bad_state_dicts_raise():
         export_kda_state_dict(import_kda_state_dict(sd, cfg), cfg, "kimi")
     with pytest.raises(ValueError, match=r"'v_proj.weight' has shape \(64, 48\), expected \(32, 48\)"):
         import_kda_state_dict(_fla_weights(seed=1, HV=2 * H), cfg)  # a GVA checkpoint needs num_v_heads
+    # every problem in one message, both ways
+    bad = {k: v for k, v in sd.items() if k not in ("dt_bias", "b_proj.weight")}
+    bad.update({"A_log": torch.zeros(3), "extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"missing 'dt_bias'; 'A_log' has shape \(3,\), expected \(2,\); missing 'b_proj.weight'; "
+                                         r"keys this layer does not have: \['extra.weight'\]"):
+        import_kda_state_dict(bad, cfg)
+    ours = import_kda_state_dict(sd, cfg)
+    with pytest.raises(ValueError, match=r"keys the layer does not have: \['extra'\]"):
+        export_kda_state_dict({**ours, "extra": torch.zeros(1)}, cfg)
+    with pytest.raises(ValueError, match="q/k/v_proj weights differ in dtype"):
+        import_kda_state_dict({**sd, "q_proj.weight": sd["q_proj.weight"].float()}, cfg)

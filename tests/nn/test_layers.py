@@ -70,6 +70,9 @@ def test_layer_bad_input():
         KDAConfig(num_heads=4, num_v_heads=6)
     with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 64"):
         KDAConfig(segment_len=100)
+    for name, bad in (("segment_len", 64.0), ("num_v_heads", "4"), ("num_heads", True), ("allow_neg_eigval", "no")):
+        with pytest.raises(ValueError, match=f"KDAConfig.{name} must be an? (int|bool), got"):
+            KDAConfig(**{name: bad})
     with pytest.raises(ValueError, match="input_ids"):
         KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16)))(torch.randn(2, 5))
 

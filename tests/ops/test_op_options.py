@@ -73,6 +73,8 @@ def test_each_option_alone_and_dt_bias_as_matrix():
     for kw in cases:
         o, _ = chunk_kda(v=v, **kw)
         torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="allow_neg_eigval must be a bool, got 'yes'"):
+        chunk_kda(qn, kn, v, g, beta, allow_neg_eigval="yes")
     o, _ = chunk_kda(qn, kn, v, g, b, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
     torch.testing.assert_close(o, chunk_kda(qn, kn, v, g, 2 * beta, allow_neg_eigval=True)[0], rtol=1e-10, atol=1e-10)
     o, _ = chunk_kda(qn, kn, v, z + dt_bias.view(H, K), beta, use_gate_in_kernel=True, A_log=A_log, g_min=-5.0)

@@ -148,3 +148,24 @@ def test_the_chain_runs_in_the_compute_dtype_and_empty_inputs_pass_through():
     empty = [x[:, :0] for x in (q, k, v, g, beta)]
     o, ht = chunk_kda(*empty, initial_state=h0.double(), output_final_state=True, chunk_size=16, segment_len=32)
     assert o.shape == (1, 0, 2, 6) and torch.equal(ht, h0.double())
+
+
+def test_ulysses_refuses_a_bad_segment_len_on_every_rank_before_the_exchange():
+    from tests._dist import run_ranks
+
+    errs = run_ranks(_ulysses_bad_rank, 2, timeout=90)
+    assert "rank(s) [1]" in errs[0] and "segment_len must be a positive multiple of chunk_size = 16" in errs[1], errs
+
+
+def _ulysses_bad_rank(rank, world):
+    import torch.distributed as dist
+
+    from kda_cp.parallel.layers.ulysses import ulysses_kda
+
+    q, k, v, g, beta, _ = make_inputs(1, 32, 2, 8, 8, seed=3)
+    try:
+        ulysses_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, chunk_size=16, impl="torch",
+                    segment_len=16 if rank == 0 else 24)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kda_cp.ops import BACKENDS, check_inputs, chunk_kda, expand_value_heads
+from kda_cp.ops import BACKENDS, check_inputs, check_segment_len, chunk_kda, expand_value_heads
 from kda_cp.parallel.exchange import check_and_agree, dtype_code, float_code, group_rank_and_size
 
 __all__ = ["ulysses_kda", "seq_to_head", "head_to_seq", "UlyssesImpl", "resolve_impl"]
@@ -187,6 +187,7 @@ def ulysses_kda(
     def check():
         nonlocal q, k
         resolve_impl(impl)  # a bad name raises here, on its rank
+        check_segment_len(segment_len, chunk_size)
         # GVA: Ulysses shards heads, so every value head takes its own copy of q and k
         q, k = expand_value_heads(q, k, v)
         check_inputs(q, k, v, g, beta, chunk_size=chunk_size, check_gate=check_gate, g_min=g_min, layout_warning=False,
