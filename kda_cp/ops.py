@@ -286,10 +286,11 @@ class TorchBackend(Backend):
         return reference.chunk_kda_torch_prepare(q, k, v, g, beta, cu_seqlens, opts.chunk_size)
 
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
-        return reference.chunk_kda_torch(
+        o, ht = reference.chunk_kda_torch(
             q, k, v, g, beta, opts.scale, h0, True, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size,
             prepared=prepared,
         )
+        return o.contiguous(), ht  # [B, T, H, V] rows, as the kernels write them (o.view(B, T, -1) works)
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
         # autograd recomputes the chunk-local half itself: ``prepared`` is not needed here
