@@ -287,15 +287,14 @@ class KDALayer(nn.Module):
         # softplus gate's -exp(.) * softplus(.) <= 0, which declares no bound) and beta in
         # [0, 1] (or [0, 2]) by construction, and a NaN from upstream reaches the loss, which training
         # checks every step; the checks would cost a read of q, k, v, g and a device sync per layer.
-        kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False)
-        neg = dict(allow_neg_eigval=True) if c.allow_neg_eigval else {}
-        seg = dict(segment_len=c.segment_len) if c.segment_len is not None else {}
+        kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False,
+                  allow_neg_eigval=c.allow_neg_eigval, segment_len=c.segment_len)
         if size > 1 and cp_strategy == "ulysses":
-            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw, **neg, **seg)
+            o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
         elif size > 1:
-            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw, **neg, **seg)
+            o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw, **neg, **seg)
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
         # Per-head RMSNorm times the sigmoid output gate in one fused pass.
         o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
         return self.o_proj(o)

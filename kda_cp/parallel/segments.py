@@ -90,7 +90,9 @@ class SegmentedBackend(Backend):
         self.name = f"{inner.name}+segments"
 
     # -- layout ----------------------------------------------------------------------------
-    def _plan(self, q, cu_seqlens, opts) -> SegmentPlan:
+    def _plan(self, q, cu_seqlens, opts, prepared=None) -> SegmentPlan:
+        if isinstance(prepared, _Prepared):  # made by prepare(): no second read of cu_seqlens
+            return prepared.plan
         L = self.segment_len
         if L < 1 or L % opts.chunk_size:
             raise ValueError(f"segment_len must be a positive multiple of chunk_size = {opts.chunk_size}, got {L}")
@@ -165,7 +167,7 @@ class SegmentedBackend(Backend):
         return _Prepared(plan, self.inner.prepare(*flat, opts, self._dev(plan, q)[0]))
 
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts)
+        plan = self._plan(q, cu_seqlens, opts, prepared)
         if not plan.cu[-1]:  # no tokens: nothing to split
             return self.inner.fwd(q, k, v, g, beta, h0, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
@@ -177,7 +179,7 @@ class SegmentedBackend(Backend):
         return o.reshape(*q.shape[:3], v.shape[-1]), ht[last]
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts)
+        plan = self._plan(q, cu_seqlens, opts, prepared)
         if not plan.cu[-1]:
             return self.inner.bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
@@ -209,7 +211,7 @@ class SegmentedBackend(Backend):
         return M[last], S[last]
 
     def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts)
+        plan = self._plan(q, cu_seqlens, opts, prepared)
         if not plan.cu[-1]:
             return self.inner.state_grad(q, k, v, g, beta, do, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
