@@ -59,7 +59,8 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
                 or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
-        cs = cu_seqlens.tolist()
+        from kda_cp.kernels._common import host_offsets  # no device read for kda_cp's own offsets
+        cs = list(host_offsets(cu_seqlens))
     else:
         try:
             cs = list(cu_seqlens)
@@ -679,9 +680,11 @@ def chunk_kda(
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
     """
-    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # a list of offsets
-        cu_seqlens = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64,
-                                  device=q.device if isinstance(q, torch.Tensor) else None)
+    if cu_seqlens is not None and isinstance(q, torch.Tensor):
+        # Read once here; the stages get kda_cp's copy on q's device, whose host values are
+        # recorded, so no later stage reads it back (each read would wait for the GPU).
+        from kda_cp.kernels._common import device_offsets
+        cu_seqlens = device_offsets(check_cu_seqlens(cu_seqlens), q.device)
     q, k = expand_value_heads(q, k, v)
     if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
             or dt_bias is not None:

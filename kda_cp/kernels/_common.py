@@ -13,8 +13,10 @@ consecutive in the table; ``seq_chunks[n] = (first chunk, number of chunks, bos)
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -65,30 +67,71 @@ class ChunkTables(NamedTuple):
     num_chunks: int
 
 
+_KNOWN_OFFSETS: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, offsets), tensors made here
+_DEVICE_OFFSETS: collections.OrderedDict = collections.OrderedDict()  # (offsets, device, inference) -> tensor
+
+
+def _version(t: torch.Tensor):
+    return None if t.is_inference() else t._version  # inference tensors keep no version counter
+
+
+def remember_offsets(cu_seqlens: torch.Tensor, offsets) -> None:
+    """Record the host values of an offsets tensor that this library made from them, so that
+    :func:`host_offsets` does not read it back from the device. Only for such tensors: a caller's
+    tensor can change without a version bump (e.g. a collective writing into it)."""
+    key = id(cu_seqlens)
+    ref = weakref.ref(cu_seqlens, lambda _r, key=key: _KNOWN_OFFSETS.pop(key, None))
+    _KNOWN_OFFSETS[key] = (ref, _version(cu_seqlens), tuple(int(x) for x in offsets))
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of host ints: the recorded values of a tensor made by
+    :func:`device_offsets` (unless modified in place since), else read from the device (a sync)."""
+    hit = _KNOWN_OFFSETS.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == _version(cu_seqlens):
+        return hit[2]
+    return tuple(cu_seqlens.detach().to("cpu", torch.int64).tolist())
+
+
+def device_offsets(offsets, device) -> torch.Tensor:
+    """Host offsets as an int64 tensor on ``device`` with its host values recorded: made once per
+    (offsets, device) and reused while unmodified (a copy to the GPU waits for the stream)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (tuple(int(x) for x in offsets), str(device), torch.is_inference_mode_enabled())
+    cu = _DEVICE_OFFSETS.get(key)
+    if cu is not None and _KNOWN_OFFSETS.get(id(cu), (None, -1))[1] == _version(cu):
+        _DEVICE_OFFSETS.move_to_end(key)
+        return cu
+    cu = torch.tensor(key[0], dtype=torch.int64, device=device)
+    remember_offsets(cu, key[0])
+    _DEVICE_OFFSETS[key] = cu
+    if len(_DEVICE_OFFSETS) > 256:
+        _DEVICE_OFFSETS.popitem(last=False)
+    return cu
+
+
 def build_chunk_tables(
     B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device: torch.device
 ) -> ChunkTables:
     """Build the chunk and sequence tables for B sequences of length T, or for packed ``cu_seqlens``.
 
-    With ``cu_seqlens`` the lengths are read on the host (one device-to-host copy). Tables for
-    fixed-length batches depend only on (B, T, chunk_size, device) and are cached.
+    With ``cu_seqlens`` the offsets come from :func:`host_offsets` (no device read for the
+    tensors that kda_cp's ops pass). Tables are cached per (B, T, offsets, chunk_size, device): a
+    call's stages share them.
     """
-    if cu_seqlens is None:
-        return _fixed_tables(B, T, chunk_size, str(device))
-    return _make_tables(B, T, cu_seqlens, chunk_size, device)
+    offsets = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    return _tables(B, T, offsets, chunk_size, str(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _fixed_tables(B: int, T: int, chunk_size: int, device: str) -> ChunkTables:
-    return _make_tables(B, T, None, chunk_size, torch.device(device))
-
-
-def _make_tables(B, T, cu_seqlens, chunk_size, device) -> ChunkTables:
-    if cu_seqlens is None:
+def _tables(B: int, T: int, offsets: tuple[int, ...] | None, chunk_size: int, device: str) -> ChunkTables:
+    if offsets is None:
         starts = [b * T for b in range(B)]
         lens = [T] * B
     else:
-        cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()
+        cu = list(offsets)
         starts = cu[:-1]
         lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     chunks: list[tuple[int, int]] = []

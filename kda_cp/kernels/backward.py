@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import build_chunk_tables
+from ._common import build_chunk_tables, host_offsets
 from .launch import check_tensor, kernel_inputs, prepared_tensors, tl_name, validate_inputs
 
 __all__ = ["chunk_kda_bwd", "chunk_kda_state_grad"]
@@ -119,10 +119,17 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     if dht is not None:
         check_tensor("dht", dht, (N, H, K, V), (torch.float32,))
     dev, dtype, C = q.device, q.dtype, chunk_size
-    alloc = torch.zeros if cu_seqlens is not None else torch.empty  # zero the tail past the last sequence
+    offsets = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    start, end = (0, B * T) if offsets is None else (min(offsets[0], B * T), min(offsets[-1], B * T))
 
     def grad_buffers(*shapes_dtypes):  # allocated only where first written, to keep the peak down
-        return [alloc(*shape, device=dev, dtype=dt_) for shape, dt_ in shapes_dtypes]
+        bufs = [torch.empty(*shape, device=dev, dtype=dt_) for shape, dt_ in shapes_dtypes]
+        for b in bufs:  # the kernels write every row of a sequence; rows outside all of them get zeros
+            if start > 0:
+                b.view(B * T, -1)[:start].zero_()
+            if end < B * T:
+                b.view(B * T, -1)[end:].zero_()
+        return bufs
 
     qk_grad = ((B, T, H, K), dtype)
     g_grad = ((B, T, H, K), torch.float32)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import build_chunk_tables
+from ._common import build_chunk_tables, host_offsets
 
 __all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary",
            "chunk_kda_summary_prepared", "keep_for_backward", "restore_prepared", "is_supported", "SUPPORTED_HEAD_DIMS",
@@ -192,7 +192,7 @@ def _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
     """What a PreparedForward was computed from: the very tensors (storage and version), their
     shapes and dtype, the scale, chunk size and packed-sequence offsets."""
     tensors = tuple((x.data_ptr(), x._version) for x in (q, k, v, g, beta))
-    cu = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    cu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     return (tensors, tuple(q.shape), tuple(v.shape), q.dtype, str(q.device), float(scale), chunk_size, cu)
 
 

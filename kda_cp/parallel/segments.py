@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_cp import scan
+from kda_cp.kernels._common import device_offsets, host_offsets
 from kda_cp.ops import Backend, Grads, KDAOptions
 
 __all__ = ["SegmentedBackend", "SegmentPlan", "segment_plan"]
@@ -37,6 +38,7 @@ class SegmentPlan:
     first: tuple[int, ...]  # each sequence's first segment, [N]
     last: tuple[int, ...]  # each sequence's last segment, [N]
     steps: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per depth j: (segments, their next)
+    per_sequence: int = 0  # segments of every sequence when all have the same number (dense), else 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -56,14 +58,28 @@ def segment_plan(bounds: tuple[int, ...], segment_len: int) -> SegmentPlan:
         (tuple(c[j] for c in chains if len(c) > j + 1), tuple(c[j + 1] for c in chains if len(c) > j + 1))
         for j in range(depth - 1)
     )
-    return SegmentPlan(tuple(cu), tuple(first), tuple(last), steps)
+    regular = depth if chains and all(len(c) == depth for c in chains) else 0
+    return SegmentPlan(tuple(cu), tuple(first), tuple(last), steps, regular)
+
+
+def _by_depth(x: torch.Tensor, N: int, n: int) -> torch.Tensor:
+    """[N * n, H, *, *] in sequence order -> [n, N * H, *, *], depth j's maps contiguous (a view
+    for N = 1)."""
+    return x.view(N, n, *x.shape[1:]).transpose(0, 1).reshape(n, N * x.shape[1], *x.shape[2:])
+
+
+def _by_sequence(x: torch.Tensor, N: int, H: int) -> torch.Tensor:
+    """[n, N * H, *, *] -> [N * n, H, *, *] in sequence order (a view for N = 1)."""
+    n = x.shape[0]
+    return x.view(n, N, H, *x.shape[2:]).transpose(0, 1).reshape(N * n, H, *x.shape[2:])
 
 
 @functools.lru_cache(maxsize=256)
 def _device_plan(plan: SegmentPlan, device: str):
-    """The plan's offsets and index lists as int64 tensors on ``device``, made once per plan."""
+    """The plan's offsets and index lists as int64 tensors on ``device``, made once per plan; the
+    offsets' host values are recorded, so the kernels never read them back (no host sync)."""
     t = lambda ids: torch.tensor(ids, dtype=torch.int64, device=device)  # noqa: E731
-    return t(plan.cu), t(plan.first), t(plan.last), tuple((t(a), t(b)) for a, b in plan.steps)
+    return device_offsets(plan.cu, device), t(plan.first), t(plan.last), tuple((t(a), t(b)) for a, b in plan.steps)
 
 
 @dataclass
@@ -100,7 +116,7 @@ class SegmentedBackend(Backend):
         if cu_seqlens is None:
             bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
         else:
-            bounds = tuple(int(x) for x in cu_seqlens.tolist())
+            bounds = host_offsets(cu_seqlens)
         return segment_plan(bounds, L)
 
     @staticmethod
@@ -116,6 +132,14 @@ class SegmentedBackend(Backend):
     def _states_in(self, plan, M, St, h0):
         """s_j of every segment, in the maps' dtype (the compute dtype): the sequence's h0 at its
         first segment, then s_{j+1} = M_j s_j + S~_j."""
+        if plan.per_sequence:  # every sequence n segments: one product per depth on contiguous maps
+            N, n, H = len(plan.first), plan.per_sequence, h0.shape[1]
+            Mj, Sj = _by_depth(M, N, n), _by_depth(St, N, n)
+            s = torch.empty_like(Sj)
+            s[0].view(N, H, *s.shape[2:]).copy_(h0)  # any strides (an expanded h0), cast to the maps' dtype
+            for j in range(n - 1):
+                torch.baddbmm(Sj[j], Mj[j], s[j], out=s[j + 1])
+            return _by_sequence(s, N, H)
         _, first, _, steps = self._dev(plan, M)
         s = St.new_empty(St.shape[0], *h0.shape[1:])
         s[first] = h0.to(s.dtype)
@@ -127,8 +151,19 @@ class SegmentedBackend(Backend):
     def _grads_out(self, plan, M, G, dht):
         """d_j, the gradient of every segment's final state: dht at a sequence's last segment
         (zero when None), then d_j = G_{j+1} + M_{j+1}^T d_{j+1} backwards."""
-        _, _, last, steps = self._dev(plan, M)
         G = G.to(M.dtype)
+        if plan.per_sequence:
+            N, n, H = len(plan.first), plan.per_sequence, G.shape[1]
+            Mj, Gj = _by_depth(M, N, n), _by_depth(G, N, n)
+            d = torch.empty_like(Gj)
+            if dht is None:
+                d[n - 1].zero_()
+            else:
+                d[n - 1].view(N, H, *d.shape[2:]).copy_(dht)
+            for j in reversed(range(n - 1)):
+                torch.baddbmm(Gj[j + 1], Mj[j + 1].transpose(-1, -2), d[j + 1], out=d[j])
+            return _by_sequence(d, N, H)
+        _, _, last, steps = self._dev(plan, M)
         d = torch.zeros_like(G)
         if dht is not None:
             d[last] = dht.to(d.dtype)
@@ -203,6 +238,16 @@ class SegmentedBackend(Backend):
         plan = prepared.plan
         if prepared.M is None:
             prepared.M, prepared.St = self.inner.summary_prepared(prepared.inner, opts, last_only=False)
+        if plan.per_sequence:
+            N, n, H = len(plan.first), plan.per_sequence, prepared.M.shape[1]
+            Mj, Sj = _by_depth(prepared.M, N, n), _by_depth(prepared.St, N, n)
+            accM, accS = Mj[0], Sj[0]
+            for j in range(1, n):  # acc = maps[j] o acc
+                accM, accS = torch.bmm(Mj[j], accM), torch.baddbmm(Sj[j], Mj[j], accS)
+            if n == 1:  # no product made: do not hand out views of the prepared maps
+                accM, accS = accM.clone(), accS.clone()
+            accM, accS = accM.view(N, H, *accM.shape[1:]), accS.view(N, H, *accS.shape[1:])
+            return (accM[-1:], accS[-1:]) if last_only else (accM, accS)
         M, S = prepared.M.clone(), prepared.St.clone()
         _, _, last, steps = self._dev(plan, M)
         for src, dst in steps:  # acc[next] = maps[next] o acc[segment]

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from kda_cp.kernels._common import device_offsets
 from kda_cp.ops import check_cu_seqlens as _check
 
 __all__ = ["ShardSegments", "check_cu_seqlens", "shard_segments"]
@@ -53,7 +54,9 @@ class ShardSegments:
         return tuple(i > 0 or not self.first_continues for i in range(self.num_segments))
 
     def local_cu_seqlens(self, device) -> torch.Tensor:
-        return torch.tensor(self.cu_seqlens, dtype=torch.int64, device=device)
+        """The local offsets as int64 on ``device``, kda_cp's copy: the kernels never read it back
+        (its host values are recorded). Shared between calls: do not modify it."""
+        return device_offsets(self.cu_seqlens, device)
 
 
 def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:

@@ -134,3 +134,30 @@ def test_state_builders_refuse_the_miscompiled_launch():
                                   threads=256)
     with pytest.raises(ValueError, match="miscompiled"):
         build_bwd_state_kernel(None, 128, 128, 64, "bfloat16", walk="forward", block_v=64, threads=256)
+
+
+def test_packed_offsets_made_by_kda_cp_are_not_read_back():
+    """Offsets kda_cp copies to the device (device_offsets) keep their host values, so the chunk
+    tables and checks never read them back: a meta tensor, which has no data to read, passes.
+    A caller's tensor is read every time (it may change without a version bump), a reused copy
+    that was modified in place is made afresh, and inference mode works."""
+    from kda_cp.kernels._common import build_chunk_tables, device_offsets, host_offsets
+    from kda_cp.parallel.segments import _device_plan, segment_plan
+
+    cu = torch.tensor([0, 5, 71])
+    assert host_offsets(cu) == (0, 5, 71)
+    cu.data[1] = 9  # through .data: no version bump, and the new values are read
+    assert host_offsets(cu) == (0, 9, 71)
+    meta = device_offsets((0, 9, 71), "meta")
+    assert device_offsets([0, 9, 71], "meta") is meta
+    tables = build_chunk_tables(1, 71, meta, 64, torch.device("cpu"))
+    assert tables.num_chunks == 2 and tables.seq_table.tolist() == [[0, 1, 0, 9], [1, 1, 9, 71]]
+    plan = segment_plan((0, 150, 300), 64)
+    assert host_offsets(_device_plan(plan, "meta")[0]) == plan.cu
+    shared = device_offsets((0, 3, 6), "cpu")
+    shared[1] = 4  # a caller wrote into the shared copy: the next call makes a fresh one
+    assert device_offsets((0, 3, 6), "cpu").tolist() == [0, 3, 6]
+    with torch.inference_mode():
+        inf = device_offsets((0, 2, 7), "cpu")
+        assert host_offsets(inf) == (0, 2, 7) and host_offsets(torch.tensor([0, 7])) == (0, 7)
+    assert not device_offsets((0, 2, 7), "cpu").is_inference()  # not the inference-mode copy

@@ -27,7 +27,8 @@ def _run(fn, q, k, v, g, beta, h0, do, dht, cu):
     (1, 150, None, 32),
     (1, 150, [0, 40, 41, 41, 150], 16),  # packed: a 1-token and an empty sequence among long ones
     (1, 93, [0, 16, 93], 48),  # a sequence exactly one segment long
-], ids=["dense-B2", "dense-B1", "packed", "packed-one-segment"])
+    (1, 100, [0, 40, 100], 32),  # packed, both sequences two segments (the chains run by depth)
+], ids=["dense-B2", "dense-B1", "packed", "packed-one-segment", "packed-regular"])
 def test_segments_match_the_recurrence(B, T, cu, L):
     H, K, V = 2, 8, 6
     n = B if cu is None else len(cu) - 1
@@ -61,6 +62,8 @@ def test_plan_and_bad_segment_len():
     assert plan.cu == (0, 16, 32, 40, 41, 41, 57, 73, 89, 105, 121, 137, 150)
     assert plan.first == (0, 3, 4, 5) and plan.last == (2, 3, 4, 11)
     assert plan.steps[0] == ((0, 5), (1, 6)) and plan.steps[-1] == ((10,), (11,))
+    assert plan.per_sequence == 0  # 3, 1, 1 and 7 segments: chains by index
+    assert segment_plan((0, 77, 154), 16).per_sequence == 5  # dense rows: chains by depth
     q, k, v, g, beta, _ = make_inputs(1, 20, 1, 4, 4, seed=1)
     for bad in (0, 24, 16.0, True):
         with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 16"):
@@ -169,3 +172,21 @@ def _ulysses_bad_rank(rank, world):
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def test_expanded_initial_state_and_dht_pass_the_by_depth_chains():
+    """An expanded (stride-0) h0 and a dht with zero strides go through the depth-major chains as
+    through the unsplit op."""
+    B, T, H, K, V = 3, 40, 2, 4, 3
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    h0 = torch.randn(1, H, K, V, generator=gen, dtype=torch.float64).expand(B, H, K, V)
+    w = torch.randn(B, generator=gen, dtype=torch.float64)
+    out = []
+    for L in (None, 16):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        o, ht = chunk_kda(*leaves, initial_state=h0, output_final_state=True, chunk_size=16, segment_len=L)
+        loss = (o ** 2).sum() + ht.sum((1, 2, 3)).dot(w)  # dht = w[:, None, None, None].expand(...)
+        out.append([o, ht, *torch.autograd.grad(loss, leaves)])
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta"), *out):
+        assert_close(name, a, b, 1e-10)
