@@ -38,6 +38,8 @@ __all__ = [
     "total",
     "prefix_at",
     "transposed_suffix_at",
+    "state_at",
+    "transposed_state_at",
     "ScanMethod",
     "ieee_fp32_matmul",
 ]
@@ -223,3 +225,56 @@ def reverse_transposed_exclusive_scan(maps: AffineMap, method: ScanMethod = "log
     flipped = AffineMap(maps.M.flip(0).transpose(-1, -2), maps.S.flip(0))
     out = exclusive_scan(flipped, method)
     return AffineMap(out.M.flip(0), out.S.flip(0))
+
+
+def _mv_add(M: torch.Tensor, x: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """M @ x + S in one batched GEMM (baddbmm over the flattened leading dims)."""
+    out = torch.baddbmm(S.reshape(-1, *S.shape[-2:]), M.reshape(-1, *M.shape[-2:]), x.reshape(-1, *x.shape[-2:]))
+    return out.view(S.shape)
+
+
+@ieee_fp32
+def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply(prefix_at(maps, r), x0)`` as a chain of states: x_{j+1} = M_j x_j + S_j from x_0 =
+    ``x0`` (zero when None), one product per map and none of two M's (r - 1 batched GEMMs with
+    x0 None). What one rank's forward needs after an all-gather: its incoming state [..., K, V].
+
+    Raises:
+        ValueError: on malformed shapes or r outside the stack.
+    """
+    _check_stack(maps)
+    if not 0 <= r < maps.M.shape[0]:
+        raise ValueError(f"r={r} outside the stack of {maps.M.shape[0]} maps")
+    if x0 is None:
+        if r == 0:
+            return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
+        x, first = maps.S[0].clone(memory_format=torch.contiguous_format), 1  # M_0 0 + S_0
+    else:
+        x, first = x0.to(maps.S.dtype), 0
+    for j in range(first, r):
+        x = _mv_add(maps.M[j], x, maps.S[j])
+    return x
+
+
+@ieee_fp32
+def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply(transposed_suffix_at(maps, r), seed)`` as a chain: d = seed (zero when None), then
+    d = M_j^T d + G_j for j = P-1 down to r+1. What one rank's backward needs: the gradient of its
+    end state [..., K, V].
+
+    Raises:
+        ValueError: on malformed shapes or r outside the stack.
+    """
+    _check_stack(maps)
+    P = maps.M.shape[0]
+    if not 0 <= r < P:
+        raise ValueError(f"r={r} outside the stack of {P} maps")
+    if seed is None:
+        if r == P - 1:
+            return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
+        d, last = maps.S[P - 1].clone(memory_format=torch.contiguous_format), P - 2  # M^T 0 + G
+    else:
+        d, last = seed.to(maps.S.dtype), P - 1
+    for j in range(last, r, -1):
+        d = _mv_add(maps.M[j].transpose(-1, -2), d, maps.S[j])
+    return d

@@ -70,7 +70,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
         M, St = backend.summary_prepared(prepared, opts, last_only=False)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, St.to(sdt)
-        s_in = scan.prefix_at(maps, rank).S  # what cp_chunk_kda computes after the all-gather
+        s_in = scan.state_at(maps, rank)  # what cp_chunk_kda computes after the all-gather
         backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
         return M, s_in, backend.keep_for_backward(prepared) if keep else ()
 
@@ -80,7 +80,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
         G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
         maps = scan.AffineMap(others.M.clone(), others.S.clone())
         maps.M[rank], maps.S[rank] = M, G
-        d_end = scan.transposed_suffix_at(maps, rank).S
+        d_end = scan.transposed_state_at(maps, rank)
         return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts, prepared=prepared)
 
     with torch.no_grad():

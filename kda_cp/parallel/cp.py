@@ -97,8 +97,19 @@ def _local_h0(h0_global, s_in, plan):
     return rows
 
 
-def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=None) -> scan.AffineMap:
-    """This rank's exclusive prefix (forward) or transposed suffix (reverse) of the pairs.
+def _fold(maps: scan.AffineMap, rank: int, method, reverse: bool, seed=None) -> torch.Tensor:
+    """Rank ``rank``'s fold of the stacked pairs: its incoming state (forward, from zero) or the
+    gradient of its end state (reverse, from ``seed``, zero when None). "sequential" chains the
+    states (one product per pair); "log_depth" composes a tree of maps first."""
+    if method == "sequential":
+        return (scan.transposed_state_at if reverse else scan.state_at)(maps, rank, seed)
+    f = (scan.transposed_suffix_at if reverse else scan.prefix_at)(maps, rank, method)
+    return f.S if seed is None else scan.apply(f, seed)
+
+
+def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=None, seed=None) -> torch.Tensor:
+    """This rank's exclusive prefix (forward) or transposed suffix (reverse) of the pairs, applied:
+    the state entering the shard, or the gradient at its end from ``seed`` (zero when None).
 
     ``overlap``: a callable run while the all-gather is in flight (its result is discarded here;
     the callable keeps what it needs).
@@ -108,13 +119,12 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
             overlap()
         if reverse:
             pair = scan.AffineMap(pair.M.transpose(-1, -2), pair.S)
-        return p2p_exclusive_scan(pair, group, reverse=reverse)
+        f = p2p_exclusive_scan(pair, group, reverse=reverse)
+        return f.S if seed is None else scan.apply(f, seed)
     K = pair.M.shape[-1]
     packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
     maps = scan.AffineMap(packed[..., :K], packed[..., K:])
-    if reverse:
-        return scan.transposed_suffix_at(maps, plan.rank, plan.scan_method)
-    return scan.prefix_at(maps, plan.rank, plan.scan_method)
+    return _fold(maps, plan.rank, plan.scan_method, reverse, seed)
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -239,12 +249,16 @@ def _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept=()):
     return None
 
 
-def _end_dht(plan, suffix, dfinal, dht, like) -> torch.Tensor:
-    """Backward 2: the gradient at the shard's end, D_r = suffix_r(seed), put into dht."""
-    seed = torch.zeros_like(like)
-    if dfinal is not None:
-        seed = dfinal if plan.segs is None else dfinal[-1:]
-    d_end = scan.apply(suffix, seed)
+def _end_seed(plan, dfinal):
+    """What the reverse scan starts from: the final-state gradient of the chain that leaves the
+    last shard (None: zero)."""
+    if dfinal is None:
+        return None
+    return dfinal if plan.segs is None else dfinal[-1:]
+
+
+def _end_dht(plan, d_end, dht) -> torch.Tensor:
+    """Backward 2: the gradient at the shard's end, D_r (from the reverse scan), put into dht."""
     if plan.segs is None:
         return d_end
     dht = dht.clone()
@@ -295,12 +309,13 @@ def _forward_stages(backend, opts, plan, q, k, v, g, beta, h0):
 
 def _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept):
     """The backward of one shard as a coroutine: yields its state gradient G (the S part of the
-    transposed pair), receives the reverse-scan suffix, returns (grads, dh0 rows or None)."""
+    transposed pair) and the reverse scan's seed, receives the gradient at the shard's end (the
+    reverse scan applied to the seed), returns (grads, dh0 rows or None)."""
     dht = _inner_dht(plan, dfinal, h0_local)
     prepared = _backward_prepare(backend, opts, plan, q, k, v, g, beta, kept)
     G = _shard_state_grad(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, dfinal, prepared)
-    suffix = yield G
-    dht = _end_dht(plan, suffix, dfinal, dht, G)
+    d_end = yield G, _end_seed(plan, dfinal)
+    dht = _end_dht(plan, d_end, dht)
     return _shard_backward(backend, opts, plan, q, k, v, g, beta, h0_local, do, dht, prepared)
 
 
@@ -321,7 +336,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         h0 = h0.to(reference._compute_dtype(q.dtype))
         stages = _forward_stages(backend, opts, plan, q, k, v, g, beta, h0)
         pair, overlap = next(stages)
-        s_in = _exclusive(pair, plan, group, reverse=False, overlap=overlap).S
+        s_in = _exclusive(pair, plan, group, reverse=False, overlap=overlap)
         o, ht, h0_local, prepared = _resume(stages, s_in)
         kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
         del prepared
@@ -344,9 +359,9 @@ class CPChunkKDAFunction(torch.autograd.Function):
         else:
             dfinal = None
         stages = _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept)
-        G = next(stages)
-        suffix = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True)
-        grads, dh0 = _resume(stages, suffix)
+        G, seed = next(stages)
+        d_end = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True, seed=seed)
+        grads, dh0 = _resume(stages, d_end)
         if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.
             dh0 = _sum_over_ranks(dh0, group, plan.size)
@@ -371,7 +386,7 @@ def cp_chunk_kda(
     chunk_size: int = 64,
     backend: BackendName = "auto",
     exchange: Exchange = "auto",
-    scan_method: scan.ScanMethod = "log_depth",
+    scan_method: scan.ScanMethod = "sequential",
     check_gate: bool = True,
     g_min: float | None = DEFAULT_G_MIN,
     use_qk_l2norm_in_kernel: bool = False,
@@ -411,8 +426,9 @@ def cp_chunk_kda(
             dt_bias are replicated, their gradients this rank's share).
         exchange: "allgather" (P pairs to every rank, then each folds those before it), "p2p" (log-depth scan
             over point-to-point sends), or "auto" (all-gather up to P2P_ABOVE ranks).
-        scan_method: schedule of a rank's fold after an all-gather: "log_depth" (a pairwise tree)
-            or "sequential".
+        scan_method: schedule of a rank's fold after an all-gather: "sequential" (the chain of
+            states, one batched product per earlier rank: the fewest kernels and FLOPs for the
+            group sizes that all-gather) or "log_depth" (a pairwise tree of maps, then applied).
 
     Returns:
         (o [B, T_r, H, V] for this shard, final_state [N, H, K, V] or None).
@@ -568,7 +584,7 @@ def cp_chunk_kda_in_one_process(
     dfinal: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: BackendName = "auto",
-    scan_method: scan.ScanMethod = "log_depth",
+    scan_method: scan.ScanMethod = "sequential",
     g_min: float | None = -5.0,
 ):
     """Run the CP algorithm for all ``world_size`` shards of a global sequence in one process.
@@ -631,7 +647,7 @@ def cp_chunk_kda_in_one_process(
     # every shard's prepared tensors are alive here, as on P ranks
     outs, kept = [], []
     for r, st in enumerate(stages):
-        out = _resume(st, scan.prefix_at(maps, r, scan_method).S)
+        out = _resume(st, _fold(maps, r, scan_method, reverse=False))
         kept.append(impl.keep_for_backward(out[3]))  # trimmed at once: what the backward need not recompute
         outs.append(out[:3])
     o = torch.cat([x[0] for x in outs], dim=1)
@@ -642,10 +658,11 @@ def cp_chunk_kda_in_one_process(
     stages = [_backward_stages(impl, opts, plans[r], *ins[r], outs[r][2], shard(do, r), dfin, kept[r])
               for r in range(world_size)]
     del kept
-    tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack([next(st) for st in stages]))
+    Gs, seeds = zip(*[next(st) for st in stages])
+    tmaps = scan.AffineMap(torch.stack([p.M for p in pairs]), torch.stack(Gs))
     grads, dh0 = [], None
     for r, st in enumerate(stages):
-        gr, rows = _resume(st, scan.transposed_suffix_at(tmaps, r, scan_method))
+        gr, rows = _resume(st, _fold(tmaps, r, scan_method, reverse=True, seed=seeds[r]))
         grads.append(gr)
         if rows is not None:
             dh0 = rows if dh0 is None else dh0 + rows

@@ -115,3 +115,34 @@ def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):
         monkeypatch.undo()
         torch.set_float32_matmul_precision(prev)
     assert seen and set(seen) == {"highest"}, f"products ran at {sorted(set(seen))}"
+
+
+@pytest.mark.parametrize("P", [1, 2, 5, 8])
+def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
+    """state_at / transposed_state_at (the chains CP's "sequential" fold runs: no product of two
+    M's) equal the rank's prefix / transposed suffix applied to the zero state or to a seed, for
+    every rank, on the non-contiguous slices of a packed all-gather buffer."""
+    K, V = 5, 3
+    m = rand_maps(P, K, V)
+    packed = torch.cat([m.M, m.S], dim=-1)
+    maps = scan.AffineMap(packed[..., :K], packed[..., K:])
+    seed = torch.randn(2, K, V, dtype=torch.float64)
+    for r in range(P):
+        pre, suf = scan.prefix_at(maps, r), scan.transposed_suffix_at(maps, r)
+        for x in (None, seed):
+            want_f = pre.S if x is None else scan.apply(pre, x)
+            want_b = suf.S if x is None else scan.apply(suf, x)
+            got_f, got_b = scan.state_at(maps, r, x), scan.transposed_state_at(maps, r, x)
+            assert got_f.is_contiguous() and got_b.is_contiguous()
+            if want_f.abs().max() == 0:  # the zero state entering rank 0
+                assert r == 0 and x is None and torch.equal(got_f, want_f)
+            else:
+                assert_close(f"state_at[{r}]", want_f, got_f, 1e-13)
+            if want_b.abs().max() == 0:
+                assert r == P - 1 and x is None and torch.equal(got_b, want_b)
+            else:
+                assert_close(f"transposed_state_at[{r}]", want_b, got_b, 1e-13)
+    with pytest.raises(ValueError, match="outside"):
+        scan.state_at(maps, P)
+    with pytest.raises(ValueError, match="outside"):
+        scan.transposed_state_at(maps, -1)
