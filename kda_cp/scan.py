@@ -249,8 +249,8 @@ def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None) -> torch.T
         if r == 0:
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
         x, first = maps.S[0].clone(memory_format=torch.contiguous_format), 1  # M_0 0 + S_0
-    else:
-        x, first = x0.to(maps.S.dtype), 0
+    else:  # a copy: the result never aliases the caller's tensor
+        x, first = x0.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), 0
     for j in range(first, r):
         x = _mv_add(maps.M[j], x, maps.S[j])
     return x
@@ -274,7 +274,7 @@ def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = Non
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
         d, last = maps.S[P - 1].clone(memory_format=torch.contiguous_format), P - 2  # M^T 0 + G
     else:
-        d, last = seed.to(maps.S.dtype), P - 1
+        d, last = seed.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), P - 1
     for j in range(last, r, -1):
         d = _mv_add(maps.M[j].transpose(-1, -2), d, maps.S[j])
     return d

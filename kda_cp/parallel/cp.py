@@ -102,9 +102,11 @@ def _fold(maps: scan.AffineMap, rank: int, method, reverse: bool, seed=None) -> 
     gradient of its end state (reverse, from ``seed``, zero when None). "sequential" chains the
     states (one product per pair); "log_depth" composes a tree of maps first."""
     if method == "sequential":
-        return (scan.transposed_state_at if reverse else scan.state_at)(maps, rank, seed)
-    f = (scan.transposed_suffix_at if reverse else scan.prefix_at)(maps, rank, method)
-    return f.S if seed is None else scan.apply(f, seed)
+        x = (scan.transposed_state_at if reverse else scan.state_at)(maps, rank, seed)
+    else:
+        f = (scan.transposed_suffix_at if reverse else scan.prefix_at)(maps, rank, method)
+        x = f.S if seed is None else scan.apply(f, seed)
+    return x.contiguous()  # the kernels take a contiguous state
 
 
 def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=None, seed=None) -> torch.Tensor:
@@ -120,7 +122,7 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
         if reverse:
             pair = scan.AffineMap(pair.M.transpose(-1, -2), pair.S)
         f = p2p_exclusive_scan(pair, group, reverse=reverse)
-        return f.S if seed is None else scan.apply(f, seed)
+        return (f.S if seed is None else scan.apply(f, seed)).contiguous()
     K = pair.M.shape[-1]
     packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
     maps = scan.AffineMap(packed[..., :K], packed[..., K:])

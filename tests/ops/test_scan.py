@@ -126,7 +126,7 @@ def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
     m = rand_maps(P, K, V)
     packed = torch.cat([m.M, m.S], dim=-1)
     maps = scan.AffineMap(packed[..., :K], packed[..., K:])
-    seed = torch.randn(2, K, V, dtype=torch.float64)
+    seed = torch.randn(2, V, K, dtype=torch.float64).transpose(-1, -2)  # non-contiguous
     for r in range(P):
         pre, suf = scan.prefix_at(maps, r), scan.transposed_suffix_at(maps, r)
         for x in (None, seed):
@@ -134,6 +134,7 @@ def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
             want_b = suf.S if x is None else scan.apply(suf, x)
             got_f, got_b = scan.state_at(maps, r, x), scan.transposed_state_at(maps, r, x)
             assert got_f.is_contiguous() and got_b.is_contiguous()
+            assert x is None or (got_f.data_ptr() != x.data_ptr() and got_b.data_ptr() != x.data_ptr())
             if want_f.abs().max() == 0:  # the zero state entering rank 0
                 assert r == 0 and x is None and torch.equal(got_f, want_f)
             else:
