@@ -639,7 +639,7 @@ def chunk_kda(
         initial_state: [N, H, K, V], fp32; N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the state after the last token of each sequence.
         cu_seqlens: int tensor (or list of ints) [N + 1] of packed-sequence offsets (FlashAttention
-            convention, B = 1); zero-length sequences are allowed.
+            convention, B = 1); zero-length sequences are allowed. Read to the host once per call.
         chunk_size: tokens per chunk (64; a multiple of 16, or any size below 16; the kernels use 64).
         backend: "auto", "torch" or "tilelang" (see :func:`get_backend`).
         check_gate: check the values (one device sync, one read of each input): g finite, <= 0 and

@@ -143,7 +143,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
         initial_state: [N, H, K, V] fp32 or None; N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: [N + 1] int32/int64 on q's device (FlashAttention convention) with B == 1;
-            each packed sequence starts from its own initial_state row. Read once on the host.
+            each packed sequence starts from its own initial_state row. Read on the host (a
+            sync), except for kda_cp's own copy (``_common.device_offsets``, what chunk_kda passes).
         chunk_size: 64 (the only tuned value). g_min: the declared gate bound in [-5, 0); the
             kernels rely on g >= -5 (16-token sub-chunks), they do not check it.
         prepared: :func:`chunk_kda_fwd_prepare`'s result for these inputs (then only the state pass
