@@ -240,10 +240,8 @@ class SegmentedBackend(Backend):
             prepared.M, prepared.St = self.inner.summary_prepared(prepared.inner, opts, last_only=False)
         if plan.per_sequence:
             N, n, H = len(plan.first), plan.per_sequence, prepared.M.shape[1]
-            Mj, Sj = _by_depth(prepared.M, N, n), _by_depth(prepared.St, N, n)
-            accM, accS = Mj[0], Sj[0]
-            for j in range(1, n):  # acc = maps[j] o acc
-                accM, accS = torch.bmm(Mj[j], accM), torch.baddbmm(Sj[j], Mj[j], accS)
+            accM, accS = scan.total(scan.AffineMap(_by_depth(prepared.M, N, n), _by_depth(prepared.St, N, n)),
+                                    "sequential")  # maps[n-1] o ... o maps[0] of every sequence at once
             if n == 1:  # no product made: do not hand out views of the prepared maps
                 accM, accS = accM.clone(), accS.clone()
             accM, accS = accM.view(N, H, *accM.shape[1:]), accS.view(N, H, *accS.shape[1:])
