@@ -28,21 +28,36 @@ TILE = 64
 
 
 def _taps(W, valid, term):
-    """sum over l < W of term(l) where valid(l), as one expression (built in Python, unrolled)."""
-    acc = T.if_then_else(valid(0), term(0), T.float32(0))
+    """sum over l < W of term(l) where valid(l) (True: always), as one expression (built in
+    Python, unrolled)."""
+    def one(l):
+        v = valid(l)
+        return term(l) if v is True else T.if_then_else(v, term(l), T.float32(0))
+
+    acc = one(0)
     for l in range(1, W):
-        acc = acc + T.if_then_else(valid(l), term(l), T.float32(0))
+        acc = acc + one(l)
     return acc
 
 
-def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
-    """One launch covers the H heads of one part (0: q, 1: k, 2: v; q and k are L2-normed)."""
+def _and(a, b):
+    return a if b is True else a & b
+
+
+def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward, packed):
+    """One launch covers the H heads of one part (0: q, 1: k, 2: v; q and k are L2-normed).
+
+    packed: taps are masked by Lags (packed sequences); else every tap reads the same sequence
+    (the halo before the shard) and Lags is not read. Each block's tiles alternate between two
+    buffers: the next tile's x (and dY) arrive by TMA while this one computes."""
     f32 = "float32"
     R = TILE  # rows loaded and recomputed per tile
     BO = TILE if not backward else TILE - (W - 1)  # rows written per tile (dx row i needs dpre at i .. i+W-1)
     P = W - 1
     G = 4  # row groups of the weight-gradient partial sums
     RG = R // G
+    LO = P if backward else 0  # lg index of tile row 0 (the backward pads P rows each side)
+    NL = R + 2 * P if backward else R
     TT = T.dynamic("TT")
     Tn = T.dynamic("Tn")
     B = T.dynamic("B")
@@ -50,21 +65,86 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
     norm = part < 2
     cbase = part * H * K
 
-    @T.macro
-    def load_tile(X, Halo, Lags, b, t0, c0, xs, lg, lo):
-        # xs row r + W-1 holds x at tile row r: W-1 rows before the tile (earlier tokens or the
-        # halo), then the tile's R rows (rows past the end read as zero)
-        T.copy(X[b * Tn + t0 : b * Tn + t0 + R, c0 : c0 + K], xs[W - 1 : W - 1 + R, :])
-        for i, j in T.Parallel(W - 1, K):
-            t = t0 - (W - 1) + i
-            xs[i, j] = T.if_then_else(t < 0, Halo[b, W - 1 + t, c0 + j], X[b * Tn + t, c0 + j])
-        for i in T.Parallel(R):
-            lg[lo + i] = T.if_then_else(t0 + i < Tn, Lags[t0 + i], -1)
+    def tap_ok(lg, r, lag):
+        """Tap ``lag`` of tile row r reads the same sequence (dense: always, the halo before the
+        shard; the backward's rows past the end carry dpre = 0)."""
+        return (lg[LO + r] >= lag) if packed else True
 
     def xval(xs, r, j):  # x at tile row r >= -(W-1)
         return T.cast(xs[r + W - 1, j], f32)
 
+    @T.macro
+    def issue(X, b, t0, c0, xs, bar):
+        # TMA of x rows t0 - (W-1) .. t0 + R - 1 of batch row b (before t0 = 0 they belong to the
+        # previous batch row or lie below row 0: the halo replaces them on arrival; rows past the
+        # tensor arrive as zeros)
+        T.tma_copy(X[b * Tn + t0 - P : b * Tn + t0 + R, c0 : c0 + K], xs, barrier=bar)
+
+    @T.macro
+    def issue_dy(DY, b, h, t0, dns, bar):
+        T.tma_copy(DY[b * Tn + t0 : b * Tn + t0 + R, h, :], dns, barrier=bar)
+
+    @T.macro
+    def arrive(Halo, b, t0, c0, xs, bar, parity):
+        T.mbarrier_wait_parity(bar, parity)
+        if t0 == 0:
+            for i, j in T.Parallel(W - 1, K):
+                xs[i, j] = Halo[b, i, c0 + j]
+            T.fence_proxy_async()  # generic writes before a later TMA write of the same tile
+
+    @T.macro
+    def lags_next(Lags, t0, lnx):
+        # the next tile's lags into a register now, into shared after this tile's compute
+        tx = T.get_thread_binding()
+        if tx < R:
+            lnx[0] = T.if_then_else(t0 + tx < Tn, Lags[t0 + tx], -1)
+
+    @T.macro
+    def lags_store(lg, lnx):
+        tx = T.get_thread_binding()
+        if tx < R:
+            lg[LO + tx] = lnx[0]
+
+    @T.macro
+    def lags_first(Lags, t0, lg):
+        for i in T.Parallel(R):
+            lg[LO + i] = T.if_then_else(t0 + i < Tn, Lags[t0 + i], -1)
+
     if not backward:
+        @T.macro
+        def fwd_tile(Y, b, h, t0, xs, lg, ws, y, sq, rs):
+            for i, j in T.Parallel(R, K):
+                pre = _taps(W, lambda lag: tap_ok(lg, i, lag),
+                            lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
+                y[i, j] = pre / (T.float32(1) + T.exp(-pre))
+                sq[i, j] = y[i, j] * y[i, j]
+            if norm:
+                T.reduce_sum(sq, rs, dim=1)
+                for i in T.Parallel(R):
+                    rs[i] = T.float32(1) / T.max(T.sqrt(rs[i]), T.float32(eps))
+                for i, j in T.Parallel(R, K):
+                    y[i, j] = y[i, j] * rs[i]
+            for i, j in T.Parallel(R, K):
+                if t0 + i < Tn:
+                    Y[b * Tn + t0 + i, h, j] = T.cast(y[i, j], dtype)
+
+        @T.macro
+        def fwd_step(X, Halo, Lags, Y, b, h, c0, t0, more, xs, lg, bar, xn, ln, barn, parity, lnx,
+                     ws, y, sq, rs):
+            # tile t0 from (xs, lg); when more, the next tile on its way into (xn, ln)
+            if more:
+                issue(X, b, t0 + R, c0, xn, barn)
+                if T.get_thread_binding() == 0:
+                    T.mbarrier_arrive(barn)
+                if packed:
+                    lags_next(Lags, t0 + R, lnx)
+            arrive(Halo, b, t0, c0, xs, bar, parity)
+            fwd_tile(Y, b, h, t0, xs, lg, ws, y, sq, rs)
+            if packed:
+                if more:
+                    lags_store(ln, lnx)
+            T.sync_threads()  # xs free for the TMA load two tiles on
+
         @T.prim_func
         def kda_conv_fwd(
             X: T.Tensor([TT, CS], dtype),
@@ -76,9 +156,9 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
         ):
             with T.Kernel(S, H, B, threads=threads) as (sp, h, b):
                 c0 = cbase + h * K
-                xs = T.alloc_shared([R + W - 1, K], dtype)
+                xa = T.alloc_shared([R + W - 1, K], dtype)
+                la = T.alloc_shared([NL], "int32")
                 ws = T.alloc_shared([W, K], f32)
-                lg = T.alloc_shared([R], "int32")
                 y = T.alloc_fragment([R, K], f32)
                 sq = T.alloc_fragment([R, K], f32)
                 rs = T.alloc_fragment([R], f32)
@@ -87,25 +167,89 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
                 ntile = T.ceildiv(Tn, R)
                 nper = T.ceildiv(ntile, S)
                 cnt = T.max(T.min(nper, ntile - sp * nper), 0)
-                for it in T.serial(cnt):
-                    t0 = (sp * nper + it) * R
-                    load_tile(X, Halo, Lags, b, t0, c0, xs, lg, 0)
-                    for i, j in T.Parallel(R, K):
-                        pre = _taps(W, lambda lag: lg[i] >= lag,
-                                    lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
-                        y[i, j] = pre / (T.float32(1) + T.exp(-pre))
-                        sq[i, j] = y[i, j] * y[i, j]
-                    if norm:
-                        T.reduce_sum(sq, rs, dim=1)
-                        for i in T.Parallel(R):
-                            rs[i] = T.float32(1) / T.max(T.sqrt(rs[i]), T.float32(eps))
-                        for i, j in T.Parallel(R, K):
-                            y[i, j] = y[i, j] * rs[i]
-                    for i, j in T.Parallel(R, K):
-                        if t0 + i < Tn:
-                            Y[b * Tn + t0 + i, h, j] = T.cast(y[i, j], dtype)
+                xb = T.alloc_shared([R + W - 1, K], dtype)
+                lb = T.alloc_shared([NL], "int32")
+                bar_a = T.alloc_barrier(1)
+                bar_b = T.alloc_barrier(1)
+                lnx = T.alloc_local([1], "int32")
+                if cnt > 0:
+                    issue(X, b, sp * nper * R, c0, xa, bar_a)
+                    if T.get_thread_binding() == 0:
+                        T.mbarrier_arrive(bar_a)
+                    if packed:
+                        lags_first(Lags, sp * nper * R, la)
+                for p in T.serial(T.ceildiv(cnt, 2)):  # two tiles a trip: buffer a, then b
+                    t0 = (sp * nper + 2 * p) * R
+                    fwd_step(X, Halo, Lags, Y, b, h, c0, t0, 2 * p + 1 < cnt, xa, la, bar_a, xb, lb,
+                             bar_b, p % 2, lnx, ws, y, sq, rs)
+                    if 2 * p + 1 < cnt:
+                        fwd_step(X, Halo, Lags, Y, b, h, c0, t0 + R, 2 * p + 2 < cnt, xb, lb, bar_b,
+                                 xa, la, bar_a, p % 2, lnx, ws, y, sq, rs)
 
         return kda_conv_fwd
+
+    @T.macro
+    def bwd_tile(DX, DHalo, b, h, c0, t0, xs, dns, lg, ws, dps, pre, tmp, nrm, prj, dwa):
+        for i, j in T.Parallel(R, K):
+            pre[i, j] = _taps(W, lambda lag: tap_ok(lg, i, lag),
+                              lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
+        if norm:  # L2Norm backward of n = y / max(||y||, eps), y = SiLU(pre)
+            for i, j in T.Parallel(R, K):
+                tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j]))
+                tmp[i, j] = tmp[i, j] * tmp[i, j]
+            T.reduce_sum(tmp, nrm, dim=1)
+            for i, j in T.Parallel(R, K):
+                tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j])) * T.cast(dns[i, j], f32)
+            T.reduce_sum(tmp, prj, dim=1)  # y . dn
+            for i in T.Parallel(R):
+                # n . dn / ||y|| where ||y|| > eps (else the norm is y / eps, linear); 1 / max(||y||, eps)
+                nrm[i] = T.sqrt(nrm[i])
+                prj[i] = T.if_then_else(nrm[i] > eps, prj[i] / (nrm[i] * nrm[i]), T.float32(0))
+                nrm[i] = T.float32(1) / T.max(nrm[i], T.float32(eps))
+        for i, j in T.Parallel(R, K):
+            sg = T.float32(1) / (T.float32(1) + T.exp(-pre[i, j]))
+            if norm:
+                dy = (T.cast(dns[i, j], f32) - pre[i, j] * sg * prj[i]) * nrm[i]
+            else:
+                dy = T.cast(dns[i, j], f32)
+            # dL/dpre; zero on rows outside the sequence (packed) or past the end (dense)
+            live = (lg[P + i] >= 0) if packed else (t0 + i < Tn)
+            dps[P + i, j] = T.if_then_else(live, dy * sg * (T.float32(1) + pre[i, j] * (T.float32(1) - sg)),
+                                           T.float32(0))
+        for i, j in T.Parallel(R, K):
+            if (i < BO) & (t0 + i < Tn):
+                DX[b * Tn + t0 + i, c0 + j] = T.cast(
+                    _taps(W, lambda lag: tap_ok(lg, i + lag, lag),
+                          lambda lag: dps[P + i + lag, j] * ws[W - 1 - lag, j]),
+                    dtype)
+        if t0 == 0:  # the halo rows t = i - (W-1) < 0
+            for i, j in T.Parallel(W - 1, K):
+                DHalo[b, i, c0 + j] = T.cast(
+                    _taps(W, lambda lag: tap_ok(lg, i + lag - P, lag), lambda lag: dps[i + lag, j] * ws[W - 1 - lag, j]),
+                    hdtype)
+        # weight gradient of tap W-1-u: sum over rows r < BO of dpre[r] x[r - u], in G row groups
+        for ug, j in T.Parallel(G * W, K):
+            dwa[ug, j] = dwa[ug, j] + _taps(
+                RG, lambda r: _and((ug % G) * RG + r < BO, tap_ok(lg, (ug % G) * RG + r, ug // G)),
+                lambda r: dps[P + (ug % G) * RG + r, j] * xval(xs, (ug % G) * RG + r - ug // G, j))
+
+    @T.macro
+    def bwd_step(X, DY, Halo, Lags, DX, DHalo, b, h, c0, t0, more, xs, dns, lg, bar, xn, dnn, ln, barn,
+                 parity, lnx, ws, dps, pre, tmp, nrm, prj, dwa):
+        # tile t0 from (xs, dns, lg); when more, the next tile on its way into (xn, dnn, ln)
+        if more:
+            issue(X, b, t0 + BO, c0, xn, barn)
+            issue_dy(DY, b, h, t0 + BO, dnn, barn)
+            if T.get_thread_binding() == 0:
+                T.mbarrier_arrive(barn)
+            if packed:
+                lags_next(Lags, t0 + BO, lnx)
+        arrive(Halo, b, t0, c0, xs, bar, parity)
+        bwd_tile(DX, DHalo, b, h, c0, t0, xs, dns, lg, ws, dps, pre, tmp, nrm, prj, dwa)
+        if packed:
+            if more:
+                lags_store(ln, lnx)
+        T.sync_threads()  # xs, dns and dps free for the next tiles
 
     @T.prim_func
     def kda_conv_bwd(
@@ -120,11 +264,11 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
     ):
         with T.Kernel(S, H, B, threads=threads) as (sp, h, b):
             c0 = cbase + h * K
-            xs = T.alloc_shared([R + W - 1, K], dtype)
-            dns = T.alloc_shared([R, K], dtype)
+            xa = T.alloc_shared([R + W - 1, K], dtype)
+            da = T.alloc_shared([R, K], dtype)
             ws = T.alloc_shared([W, K], f32)
             # lags and dL/dpre of tile row r at r + P, rows outside the tile -1 and 0 (every index >= 0)
-            lg = T.alloc_shared([R + 2 * P], "int32")
+            la = T.alloc_shared([NL], "int32")
             dps = T.alloc_shared([R + 2 * P, K], f32)
             pre = T.alloc_fragment([R, K], f32)
             tmp = T.alloc_fragment([R, K], f32)
@@ -136,55 +280,33 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
             T.clear(dwa)
             for i, j in T.Parallel(R + 2 * P, K):
                 dps[i, j] = T.float32(0)
-            for i in T.Parallel(R + 2 * P):
-                lg[i] = -1
+            for i in T.Parallel(NL):
+                la[i] = -1
             ntile = T.ceildiv(Tn, BO)
             nper = T.ceildiv(ntile, S)
             cnt = T.max(T.min(nper, ntile - sp * nper), 0)
-            for it in T.serial(cnt):
-                t0 = (sp * nper + it) * BO
-                load_tile(X, Halo, Lags, b, t0, c0, xs, lg, P)
-                T.copy(DY[b * Tn + t0 : b * Tn + t0 + R, h, :], dns)
-                for i, j in T.Parallel(R, K):
-                    pre[i, j] = _taps(W, lambda lag: lg[P + i] >= lag,
-                                      lambda lag: ws[W - 1 - lag, j] * xval(xs, i - lag, j))
-                if norm:  # L2Norm backward of n = y / max(||y||, eps), y = SiLU(pre)
-                    for i, j in T.Parallel(R, K):
-                        tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j]))
-                        tmp[i, j] = tmp[i, j] * tmp[i, j]
-                    T.reduce_sum(tmp, nrm, dim=1)
-                    for i, j in T.Parallel(R, K):
-                        tmp[i, j] = pre[i, j] / (T.float32(1) + T.exp(-pre[i, j])) * T.cast(dns[i, j], f32)
-                    T.reduce_sum(tmp, prj, dim=1)  # y . dn
-                    for i in T.Parallel(R):
-                        # n . dn / ||y|| where ||y|| > eps (else the norm is y / eps, linear); 1 / max(||y||, eps)
-                        nrm[i] = T.sqrt(nrm[i])
-                        prj[i] = T.if_then_else(nrm[i] > eps, prj[i] / (nrm[i] * nrm[i]), T.float32(0))
-                        nrm[i] = T.float32(1) / T.max(nrm[i], T.float32(eps))
-                for i, j in T.Parallel(R, K):
-                    sg = T.float32(1) / (T.float32(1) + T.exp(-pre[i, j]))
-                    if norm:
-                        dy = (T.cast(dns[i, j], f32) - pre[i, j] * sg * prj[i]) * nrm[i]
-                    else:
-                        dy = T.cast(dns[i, j], f32)
-                    dps[P + i, j] = T.if_then_else(lg[P + i] >= 0, dy * sg * (T.float32(1) + pre[i, j] * (T.float32(1) - sg)),
-                                               T.float32(0))
-                for i, j in T.Parallel(R, K):
-                    if (i < BO) & (t0 + i < Tn):
-                        DX[b * Tn + t0 + i, c0 + j] = T.cast(
-                            _taps(W, lambda lag: lg[P + i + lag] >= lag,
-                                  lambda lag: dps[P + i + lag, j] * ws[W - 1 - lag, j]),
-                            dtype)
-                if t0 == 0:  # the halo rows t = i - (W-1) < 0
-                    for i, j in T.Parallel(W - 1, K):
-                        DHalo[b, i, c0 + j] = T.cast(
-                            _taps(W, lambda lag: lg[i + lag] >= lag, lambda lag: dps[i + lag, j] * ws[W - 1 - lag, j]),
-                            hdtype)
-                # weight gradient of tap W-1-u: sum over rows r < BO of dpre[r] x[r - u], in G row groups
-                for ug, j in T.Parallel(G * W, K):
-                    dwa[ug, j] = dwa[ug, j] + _taps(
-                        RG, lambda r: ((ug % G) * RG + r < BO) & (lg[P + (ug % G) * RG + r] >= ug // G),
-                        lambda r: dps[P + (ug % G) * RG + r, j] * xval(xs, (ug % G) * RG + r - ug // G, j))
+            xb = T.alloc_shared([R + W - 1, K], dtype)
+            db = T.alloc_shared([R, K], dtype)
+            lb = T.alloc_shared([NL], "int32")
+            bar_a = T.alloc_barrier(1)
+            bar_b = T.alloc_barrier(1)
+            lnx = T.alloc_local([1], "int32")
+            for i in T.Parallel(NL):
+                lb[i] = -1
+            if cnt > 0:
+                issue(X, b, sp * nper * BO, c0, xa, bar_a)
+                issue_dy(DY, b, h, sp * nper * BO, da, bar_a)
+                if T.get_thread_binding() == 0:
+                    T.mbarrier_arrive(bar_a)
+                if packed:
+                    lags_first(Lags, sp * nper * BO, la)
+            for p in T.serial(T.ceildiv(cnt, 2)):  # two tiles a trip: buffers a, then b
+                t0 = (sp * nper + 2 * p) * BO
+                bwd_step(X, DY, Halo, Lags, DX, DHalo, b, h, c0, t0, 2 * p + 1 < cnt, xa, da, la, bar_a,
+                         xb, db, lb, bar_b, p % 2, lnx, ws, dps, pre, tmp, nrm, prj, dwa)
+                if 2 * p + 1 < cnt:
+                    bwd_step(X, DY, Halo, Lags, DX, DHalo, b, h, c0, t0 + BO, 2 * p + 2 < cnt, xb, db, lb,
+                             bar_b, xa, da, la, bar_a, p % 2, lnx, ws, dps, pre, tmp, nrm, prj, dwa)
             for ug, j in T.Parallel(G * W, K):
                 DWp[sp, b, ug, c0 + j] = dwa[ug, j]
 
@@ -192,7 +314,8 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward):
 
 
 @functools.lru_cache(maxsize=None)
-def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, threads=None):
+def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, packed=True, threads=None,
+                      fast_math=True):
     """Compile the forward or the backward of one part (0: q, 1: k, 2: v); T, B and the token
     split S dynamic. CS >= C is X's row stride (X may be the first C columns of a wider buffer).
 
@@ -202,10 +325,13 @@ def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward,
     dHalo[B, W-1, C] (halo_dtype; written by the blocks of the first tile), dWp[S, B, W*4, C] f32:
     partial weight gradients, row u*4+g holding tap W-1-u of row group g, summed by the caller).
     """
+    if (CS * (4 if dtype == "float32" else 2)) % 16:
+        raise ValueError(f"row stride CS={CS} of {dtype} is not a multiple of 16 bytes, which the TMA loads need")
     if threads is None:
         threads = 512 if backward else 256
-    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, backward),
-                          name="conv_bwd" if backward else "conv_fwd")
+    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, backward,
+                                      packed),
+                          name="conv_bwd" if backward else "conv_fwd", fast_math=fast_math)
 
 
 def conv_supported(x, weight, splits, head_dim) -> tuple[bool, str]:
@@ -224,15 +350,23 @@ def conv_supported(x, weight, splits, head_dim) -> tuple[bool, str]:
 
 def _rows(x):
     """x [B, T, C] as the [B*T, CS] rows the kernels read (CS = row stride; no copy when the rows
-    are the first C columns of a wider contiguous buffer, as the fused projection's split views)."""
+    are the first C columns of a wider contiguous buffer, as the fused projection's split views,
+    and TMA can read them: a 16-byte aligned start and row stride)."""
     B, T, C = x.shape
     CS = x.stride(1)
-    if CS >= C and (B == 1 or x.stride(0) == T * CS):
+    tma = x.data_ptr() % 16 == 0 and (CS * x.element_size()) % 16 == 0
+    if tma and CS >= C and (B == 1 or x.stride(0) == T * CS):
         try:
             return x.as_strided((B * T, CS), (CS, 1)), CS
         except RuntimeError:  # the last row's tail lies outside the storage
             pass
     return x.reshape(B * T, C).contiguous(), C
+
+
+def _tma_ready(t):
+    """t contiguous with a 16-byte aligned start (what a TMA load reads), copied if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _lags(lags, T, W, device):
@@ -273,7 +407,8 @@ def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps):
     lg = _lags(lags, T, W, x.device)
     split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=2), dtype=torch.int32, device=x.device)
     for part, y in enumerate(outs):
-        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps), backward=False)
+        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps), backward=False,
+                                 packed=lags is not None)
         kern(rows, wt, halo, lg, y.view(B * T, H, K), split)
     return tuple(outs)
 
@@ -296,7 +431,7 @@ def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps):
     dwp = torch.empty(S, B, W, 4, C, dtype=torch.float32, device=x.device)  # row u*4+g: tap W-1-u
     for part, d in enumerate((dq, dk, dv)):
         kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(halo.dtype), float(eps),
-                                 backward=True)
-        kern(rows, wt, hx, lg, d.to(x.dtype).reshape(B * T, H, K).contiguous(), dx, dhalo, dwp.view(S, B, 4 * W, C))
+                                 backward=True, packed=lags is not None)
+        kern(rows, wt, hx, lg, _tma_ready(d.to(x.dtype).reshape(B * T, H, K)), dx, dhalo, dwp.view(S, B, 4 * W, C))
     dw = dwp.sum((0, 1, 3)).flip(0).t().to(weight.dtype)
     return dx.view(B, T, C), dw, dhalo

@@ -229,13 +229,21 @@ def test_summary_kernel_orders_async_mmas_and_stores(K, dtype, operands):
     assert_async_mma_order(async_mma_events(src, mma_loop(src)))
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
-def test_conv_glue_kernels_compile(backward):
+def test_conv_glue_kernels_compile(backward, packed):
     """The layer's conv + SiLU + L2Norm kernels (kda_cp.kernels.conv) build for q (normed) and v,
-    reading x rows inside a wider buffer (row stride 784 > 768 channels)."""
+    reading x rows inside a wider buffer (row stride 784 > 768 channels). Each tile's loads (x, and
+    dY in the backward) go out by TMA one tile ahead: two barriers, each waited on with the trip's
+    parity, and a load issued before the first wait of every trip; Lags is read only when packed."""
     from kda_cp.kernels.conv import build_conv_kernel
 
     for part in (0, 2):
         src = build_conv_kernel(768, 784, 2, 128, 4, part, "bfloat16", "bfloat16", 1e-6,
-                                backward=backward).get_kernel_source()
-        assert "__global__" in src
+                                backward=backward, packed=packed).get_kernel_source()
+        body = src[src.index("__global__ void __launch_bounds__"):]
+        loop = body[body.index("for (int p = 0;"):]
+        assert loop.count("tma_load(X_desc") == 2 and loop.count("tma_load(DY_desc") == (2 if backward else 0)
+        assert "bar_a[0].wait((p & 1))" in loop and "bar_b[0].wait((p & 1))" in loop
+        assert loop.index("tma_load(X_desc, bar_b") < loop.index("bar_a[0].wait")
+        assert ("Lags[" in body) == packed

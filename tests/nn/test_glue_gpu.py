@@ -51,8 +51,9 @@ CASES = pytest.mark.parametrize("B,T,H,K,halo,cu,start,extra", [
     (2, 200, 3, 64, True, None, 0, 0),                     # a CP shard with its halo, K = 64
     (1, 250, 2, 128, True, [0, 42, 43, 290], 40, 8),       # a shard whose first sequence began before it
     (1, 2, 2, 128, True, None, 0, 0),                      # shorter than the conv: rows from the halo
-    (1, 4000, 4, 128, False, None, 0, 200),                # several tiles per block
-], ids=["dense", "packed", "halo-K64", "halo-packed", "short", "long"])
+    (2, 10000, 4, 128, False, None, 0, 200),               # several tiles per block (odd counts), batch rows
+    (1, 9000, 2, 128, True, [0, 70, 4000, 4001, 9050], 50, 0),  # packed over several tiles per block
+], ids=["dense", "packed", "halo-K64", "halo-packed", "short", "long", "long-packed"])
 
 
 @pytest.mark.parametrize("mode", ["bwd", "all"])
