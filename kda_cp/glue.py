@@ -25,7 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv_silu_norm", "l2_norm", "kda_gate", "rms_norm_gated", "lags_in_sequence", "use_compiled"]
+__all__ = ["conv_silu_norm", "l2_norm", "kda_gate", "rms_norm_gated", "linear_split", "lags_in_sequence",
+           "use_compiled"]
 
 
 def _cdt(dtype: torch.dtype) -> torch.dtype:
@@ -207,6 +208,59 @@ def _run(fn, compiled, *args):
     if compiled is None:
         compiled = use_compiled(*(a for a in args if isinstance(a, torch.Tensor)))
     return (_compiled(fn) if compiled else fn)(*args)
+
+
+class _LinearSplit(torch.autograd.Function):
+    """y = x W^T split into column blocks. The backward takes the first (wide) block's gradient as
+    it is and the narrow others concatenated: dx = dy_0 W_0 + dy_r W_r, dW = [dy_0^T x; dy_r^T x],
+    so the gradient of the whole y is never assembled (a copy of it, for the wide block)."""
+
+    @staticmethod
+    def forward(ctx, x, w, widths):
+        ctx.save_for_backward(x, w)
+        ctx.widths = widths
+        return F.linear(x, w).split(widths, dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        x, w = ctx.saved_tensors
+        widths = ctx.widths
+        x2 = x.reshape(-1, x.shape[-1])
+        gs = [x2.new_zeros(x2.shape[0], n) if g is None else g.reshape(-1, n) for g, n in zip(grads, widths)]
+        n0, head = widths[0], gs[0]
+        rest = torch.cat(gs[1:], dim=-1) if len(gs) > 1 else None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = head @ w[:n0]
+            if rest is not None:
+                dx.addmm_(rest, w[n0:])
+            dx = dx.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty_like(w)
+            torch.mm(head.t(), x2, out=dw[:n0])
+            if rest is not None:
+                torch.mm(rest.t(), x2, out=dw[n0:])
+        return dx, dw, None
+
+
+def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.Tensor, ...]:
+    """``F.linear(x, weight).split(widths, -1)`` with a backward that never concatenates the
+    blocks' gradients into one of y's size (:class:`_LinearSplit`).
+
+    x [..., D], weight [sum(widths), D] (cast to the autocast dtype when autocast is on, as
+    F.linear). Returns one tensor [..., n] per width n. Raises ValueError if the widths do not
+    sum to weight's rows.
+    """
+    widths = tuple(int(n) for n in widths)
+    if sum(widths) != weight.shape[0] or not widths or min(widths) <= 0:
+        raise ValueError(f"widths {widths} must be positive and sum to weight's {weight.shape[0]} rows")
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+    with torch.autocast(dev, enabled=False):
+        return _LinearSplit.apply(x, weight, widths)
 
 
 def lags_in_sequence(cu_seqlens, start: int, T: int, max_lag: int, device) -> torch.Tensor:

@@ -259,12 +259,12 @@ class KDALayer(nn.Module):
         rank, size = self.cp.rank_and_size()
         if cu_seqlens is not None:
             cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
-        # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM (one input
-        # gradient in backward instead of four summed).
+        # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM; its
+        # backward takes the q/k/v gradient as the conv wrote it (no concatenation into one of y's size).
         og_first = self.og_proj[0]
         widths = [self.qkv_proj.out_features, self.g_down.out_features, HV, og_first.out_features]
         w_in = torch.cat([self.qkv_proj.weight, self.g_down.weight, self.b_proj.weight, og_first.weight])
-        qkv, zd, b, og = F.linear(x, w_in).split(widths, dim=-1)
+        qkv, zd, b, og = glue.linear_split(x, w_in, widths)
         if len(self.og_proj) > 1:
             og = self.og_proj[1](og)
         # Short conv + SiLU + L2Norm of q, k in one fused pass (kda_cp.glue); under CP the W-1 rows

@@ -76,6 +76,29 @@ def test_conv_does_not_mix_packed_sequences():
     assert (y2[:, 13] - y[:, 13]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("used", [(0, 1, 2, 3), (0, 2), (1, 3)], ids=["all", "some", "not-the-first"])
+def test_linear_split_equals_linear_then_split(used):
+    """glue.linear_split's outputs and gradients equal F.linear(...).split(...) in fp64 (1e-12),
+    also when some blocks get no gradient."""
+    gen = torch.Generator().manual_seed(len(used))
+    widths = (40, 8, 3, 16)
+    x = torch.randn(2, 37, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(sum(widths), 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    dys = [torch.randn(2, 37, n, dtype=torch.float64, generator=gen) for n in widths]
+    res = []
+    for outs in (glue.linear_split(x, w, widths), F.linear(x, w).split(widths, dim=-1)):
+        loss = sum((outs[i] * dys[i]).sum() for i in used)
+        res.append((outs, torch.autograd.grad(loss, (x, w))))
+    for a, b in zip(res[0][0], res[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(o.dtype == torch.bfloat16 for o in glue.linear_split(x.float(), w.float(), widths))
+    with pytest.raises(ValueError, match="widths"):
+        glue.linear_split(x, w, (40, 8, 3))
+
+
 def test_glue_bad_input():
     layer = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8, chunk_size=16))
     with pytest.raises(NotImplementedError, match="ulysses"):
