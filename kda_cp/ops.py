@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import logging
 import warnings
 from typing import Literal, NamedTuple
@@ -513,14 +514,27 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point torch.Tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_gate_args(q, g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, g_min=g_min)
+    if use_qk_l2norm_in_kernel:
+        q, k = glue.l2_norm(q), glue.l2_norm(k)
+    if use_gate_in_kernel:
+        scale = 2.0 if allow_neg_eigval else 1.0
+        g, b = glue.kda_gate(g, A_log, dt_bias, g_min, beta if use_beta_sigmoid_in_kernel else None, beta_scale=scale)
+        if use_beta_sigmoid_in_kernel:
+            beta = b
+    elif use_beta_sigmoid_in_kernel:
+        beta = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+    return q, k, g, beta
+
+
+def check_gate_args(q, g, A_log, dt_bias, *, use_gate_in_kernel: bool, g_min) -> None:
+    """The argument checks of use_gate_in_kernel (ValueError, see :func:`apply_input_options`)."""
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log and dt_bias are the gate's parameters: pass them with use_gate_in_kernel=True")
     if use_gate_in_kernel and g_min is DEFAULT_G_MIN:
         raise ValueError("with use_gate_in_kernel, pass g_min to name the gate's form: a bound in [-5, 0) for "
                          "g = g_min * sigmoid(exp(A_log) * (g + dt_bias)) (flash-linear-attention's lower_bound), "
                          "or g_min=None for g = -exp(A_log) * softplus(g + dt_bias) (its default)")
-    if use_qk_l2norm_in_kernel:
-        q, k = glue.l2_norm(q), glue.l2_norm(k)
     if use_gate_in_kernel:
         if q.dim() != 4 or g.shape != q.shape:
             raise ValueError(f"with use_gate_in_kernel, g (the gate's pre-activation) must be [B, T, H, K] like q "
@@ -536,13 +550,6 @@ def apply_input_options(q, k, g, beta, *, use_qk_l2norm_in_kernel=False, use_gat
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
             if x is not None and x.device != g.device:
                 raise ValueError(f"{name} is on {x.device} but g is on {g.device}")
-        scale = 2.0 if allow_neg_eigval else 1.0
-        g, b = glue.kda_gate(g, A_log, dt_bias, g_min, beta if use_beta_sigmoid_in_kernel else None, beta_scale=scale)
-        if use_beta_sigmoid_in_kernel:
-            beta = b
-    elif use_beta_sigmoid_in_kernel:
-        beta = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
-    return q, k, g, beta
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,6 +605,86 @@ class ChunkKDAFunction(torch.autograd.Function):
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
             grads.dbeta.to(beta.dtype), grads.dh0.to(h0.dtype), None, None, None,
         )
+
+
+class GatedChunkKDAFunction(torch.autograd.Function):
+    """Autograd for chunk_kda with the gate (and beta's sigmoid) inside the TileLang chunk-local
+    kernel: the forward reads the pre-activations z (q's dtype) and b and never writes the fp32 g.
+    The backward remakes g and beta from them with the fused glue (:func:`kda_cp.glue.kda_gate`),
+    runs the kernels' backward and chains dg, dbeta through the gate: dz, dA_log, ddt_bias, db."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, cu_seqlens, backend, opts: KDAOptions, beta_scale):
+        H, K = q.shape[2], q.shape[3]
+        kern = backend.kernels
+        bias = (torch.zeros(H, K, device=q.device) if dt_bias is None else dt_bias.reshape(H, K)).float().contiguous()
+        gate = kern.KernelGate(A_log.float().contiguous(), bias, beta_scale)
+        kw = dict(scale=opts.scale, cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min, gate=gate)
+        prepared = kern.chunk_kda_fwd_prepare(q, k, v, z, b, **kw)
+        o, ht = kern.chunk_kda_fwd(q, k, v, z, b, initial_state=h0.float().contiguous(), output_final_state=True,
+                                   prepared=prepared, **kw)
+        kept = kern.keep_for_backward(prepared)
+        del prepared
+        ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0, cu_seqlens, *kept)
+        ctx.backend, ctx.opts, ctx.beta_scale = backend, opts, beta_scale
+        return o, (ht if opts.output_final_state else None)
+
+    @staticmethod
+    @first_order_only("chunk_kda")
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        from kda_cp import glue
+
+        q, k, v, z, b, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
+        backend, opts, beta_scale = ctx.backend, ctx.opts, ctx.beta_scale
+        leaves = [x.detach().requires_grad_(True) if x is not None else None for x in (z, A_log, dt_bias)]
+        bl = b.detach().requires_grad_(True) if beta_scale is not None else None
+        with torch.enable_grad():
+            g, beta = glue.kda_gate(leaves[0], leaves[1], leaves[2], opts.g_min, bl,
+                                    beta_scale=1.0 if beta_scale is None else beta_scale)
+        beta_in = b if beta is None else beta.detach()
+        g_in = g.detach()
+        prepared = backend.restore_prepared(q, k, v, g_in, beta_in, kept, opts, cu_seqlens)
+        grads = backend.bwd(q, k, v, g_in, beta_in, h0, do, dht, opts, cu_seqlens, prepared=prepared)
+        outs, outs_grad = [g], [grads.dg]
+        ins = [x for x in leaves if x is not None]
+        if bl is not None:
+            outs.append(beta)
+            outs_grad.append(grads.dbeta)
+            ins.append(bl)
+        d = list(torch.autograd.grad(outs, ins, outs_grad))
+        dz, dA = d.pop(0), d.pop(0)
+        ddt = d.pop(0) if dt_bias is not None else None
+        db = d.pop(0) if bl is not None else grads.dbeta.to(b.dtype)
+        return (grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), dz, db, dA, ddt,
+                grads.dh0.to(h0.dtype), None, None, None, None)
+
+
+def _kernel_gate_backend(backend, q, k, v, z, b, cu_seqlens, g_min, chunk_size, segment_len):
+    """The TileLang backend when the gate can run inside its chunk-local kernel for these inputs
+    (bounded gate, no segments, inputs the kernels cover), else None (the gate then runs as glue)."""
+    if os.environ.get("KDA_CP_GATE_IN_KERNEL", "0") != "1":  # opt-in until measured on the GPU
+        return None
+    if backend == "torch" or g_min is None or segment_len is not None or chunk_size != 64 or not q.is_cuda:
+        return None
+    kernels, _ = _tilelang_kernels()
+    if kernels is None or not hasattr(kernels, "KernelGate"):
+        return None
+    if not all(x.is_contiguous() for x in (q, k, v, z)):
+        return None
+    ok, _ = kernels.is_supported(q, k, v, z, b, cu_seqlens, gated=True)
+    return TileLangBackend(kernels) if ok else None
+
+
+def _check_finite(named) -> None:
+    """ValueError naming the first tensor holding a NaN or Inf (one device sync for all)."""
+    named = [(n, x) for n, x in named if x is not None and x.numel()]
+    if not named:
+        return
+    ok = torch.stack([torch.isfinite(x.detach()).all() for _, x in named]).tolist()
+    for (name, _), fine in zip(named, ok):
+        if not fine:
+            raise ValueError(f"{name} must be finite (NaN or Inf in the input)")
 
 
 def chunk_kda(
@@ -656,8 +743,11 @@ def chunk_kda(
             A_log: [H]; dt_bias: [H * K] or [H, K] or None.
         use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid (2 * sigmoid
             with allow_neg_eigval, as flash-linear-attention).
-            These three run as one fused pass on CUDA (:func:`apply_input_options`) and are
-            differentiable in every input, A_log and dt_bias included.
+            These three are differentiable in every input, A_log and dt_bias included. With
+            KDA_CP_GATE_IN_KERNEL=1, on the TileLang kernels with bf16 inputs, a bound g_min and
+            no segment_len, the gate and beta's sigmoid run inside the chunk-local kernel: g in q's dtype, the fp32 g is never written
+            (:class:`GatedChunkKDAFunction`); elsewhere they run as one fused pass first
+            (:func:`apply_input_options`). check_gate then checks the pre-activations finite.
         allow_neg_eigval: beta may lie in [0, 2] (negative eigenvalues of the transition,
             flash-linear-attention's allow_neg_eigval); every backend.
         segment_len: cut every sequence into segments of this many tokens (a multiple of
@@ -686,10 +776,38 @@ def chunk_kda(
         from kda_cp.kernels._common import device_offsets
         cu_seqlens = device_offsets(check_cu_seqlens(cu_seqlens), q.device)
     q, k = expand_value_heads(q, k, v)
-    if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
-            or dt_bias is not None:
+    if use_qk_l2norm_in_kernel:
+        q, k, _, _ = apply_input_options(q, k, g, beta, use_qk_l2norm_in_kernel=True)
+    fused = None
+    if use_gate_in_kernel and isinstance(g, torch.Tensor) and isinstance(q, torch.Tensor):
+        fused = _kernel_gate_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size, segment_len)
+    if fused is not None:
+        # the gate (and beta's sigmoid) inside the chunk-local kernel: the argument checks of
+        # apply_input_options, then those of check_inputs on the shapes; the values are checked
+        # finite (a gate of finite pre-activations lies in (g_min, 0), beta in range)
+        check_gate_args(q, g, A_log, dt_bias, use_gate_in_kernel=True, g_min=g_min)
+        check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, False, g_min,
+                     allow_neg_eigval=allow_neg_eigval)
+        check_scale(scale)
+        if check_gate:
+            _check_finite([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                           ("dt_bias", dt_bias), ("initial_state", initial_state)])
+            top = 2 if allow_neg_eigval else 1
+            if not use_beta_sigmoid_in_kernel and beta.numel() and not bool(((beta >= 0) & (beta <= top)).all()):
+                raise ValueError(f"beta (the write strength) must lie in [0, {top}]; pass use_beta_sigmoid_in_kernel="
+                                 "True for a pre-activation, or check_gate=False to skip the value checks")
+        q, k, v, g = dense_on_cuda(q, k, v, g)
+        beta = beta.contiguous()  # [B, T, H]: a small copy where it is a view of a wider projection
+        B, T, H, K = q.shape
+        opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
+                          output_final_state=output_final_state, g_min=g_min)
+        n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        h0 = q.new_zeros(n_states, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state
+        beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
+        return GatedChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, fused, opts, beta_scale)
+    if use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None or dt_bias is not None:
         q, k, g, beta = apply_input_options(
-            q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            q, k, g, beta, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min,
             allow_neg_eigval=allow_neg_eigval)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, check_gate, g_min,

@@ -3,11 +3,13 @@
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
 the CP shard summary launch for the given head dim and dtype, the state + output pass in every
-launch of _common.STATE_LAUNCHES. chunk_kda's TileLang backend always runs the forward with an
+launch of _common.STATE_LAUNCHES, and the chunk-local kernel with the gate inside (bf16, the
+layer's path, g_min = -5). chunk_kda's TileLang backend always runs the forward with an
 initial and a final state; the other three variants serve direct callers of
 kda_cp.kernels.chunk_kda_fwd.
 
-    TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128
+    TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128 \
+        --layer 2048 16 --layer 1024 8 --output-gate-rank 128    # + the conv kernels of two layer shapes
 """
 
 import argparse
@@ -26,12 +28,25 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--layer", type=int, nargs=2, action="append", default=[], metavar=("D", "H"),
+                    help="also the short conv kernels of a KDALayer(d_model=D, num_heads=H, head_dim=--head-dim) "
+                         "(repeatable); the conv kernels are built per channel count and row stride")
+    ap.add_argument("--output-gate-rank", type=int, default=None, help="the layers' output_gate_rank (default: full)")
+    ap.add_argument("--conv-packed", action="store_true", help="the conv kernels for packed sequences too")
+    ap.add_argument("--only-layers", action="store_true", help="only the --layer conv kernels")
     args = ap.parse_args()
     C, dt = args.chunk_size, args.dtype
+    for D, H in args.layer:
+        _conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed)
+    if args.only_layers:
+        return
     for K in args.head_dim:
         scale = float(K**-0.5)
         builds = {
             "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
+            **({f"intra, gate inside (beta_scale={bs})": (lambda bs=bs: build_intra_kernel(
+                None, K, K, C, dt, scale=scale, gate_min=-5.0, beta_scale=bs)) for bs in (1.0, 2.0, None)}
+               if dt == "bfloat16" else {}),
             **{f"state+output h0={h0} ht={ht} block_v={bv} threads={th}": (
                 lambda h0=h0, ht=ht, bv=bv, th=th: build_state_output_kernel(
                     None, K, K, C, dt, with_h0=h0, store_ht=ht, block_v=bv, threads=th))
@@ -54,6 +69,29 @@ def main():
             t = time.time()
             build()
             print(f"K={K} {dt} {name}: {time.time() - t:.1f} s", flush=True)
+
+
+def _conv_builds(D, H, K, dt, output_gate_rank, packed):
+    """The conv + SiLU + L2Norm kernels (forward, backward; q, k, v parts) that a KDALayer of this
+    shape launches: x is the first 3 H K columns of the fused input projection, whose row holds
+    W_qkv, W_g_down (rank K), W_beta (H) and the output gate's first matrix."""
+    from kda_cp.kernels.conv import build_conv_kernel
+    from kda_cp.layers import KDAConfig
+
+    c = KDAConfig(d_model=D, num_heads=H, head_dim=K, output_gate_rank=output_gate_rank)
+    rank = K if c.gate_rank is None else c.gate_rank
+    og = c.v_heads * c.v_dim if output_gate_rank is None else output_gate_rank
+    width = 3 * H * K + rank + c.v_heads + og
+    if width * (2 if dt in ("bfloat16", "float16") else 4) % 16:
+        width = 3 * H * K  # rows TMA cannot read in place: the conv reads a contiguous copy (conv._rows)
+    for pk in (False, True) if packed else (False,):
+        for backward in (False, True):
+            for part in range(3):
+                t = time.time()
+                build_conv_kernel(3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps),
+                                  backward=backward, packed=pk)
+                print(f"layer D={D} H={H}: conv {'bwd' if backward else 'fwd'} part {part} packed={pk}: "
+                      f"{time.time() - t:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

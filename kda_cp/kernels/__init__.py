@@ -3,7 +3,8 @@
 Public API (wired into ``kda_cp.ops.chunk_kda`` by ops.py):
 
     chunk_kda_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-                  chunk_size=64, g_min=-5.0) -> (o, final_state | None)
+                  chunk_size=64, g_min=-5.0, gate=None) -> (o, final_state | None)
+        (gate: a KernelGate, the gate and beta's sigmoid applied inside the kernel)
     chunk_kda_summary(k, v, g, beta, *, chunk_size=64, g_min=-5.0) -> (M, S_tilde)
     chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale, cu_seqlens, ...) -> PreparedForward
     chunk_kda_summary_prepared(prepared, *, last_only=False) -> (M, S_tilde)
@@ -26,6 +27,7 @@ from .launch import (
     MAX_GRID_YZ,
     SUPPORTED_HEAD_DIMS,
     TMA_ALIGN,
+    KernelGate,
     PreparedForward,
     chunk_kda_fwd,
     chunk_kda_fwd_prepare,
@@ -36,6 +38,6 @@ from .launch import (
     restore_prepared,
 )
 
-__all__ = ["chunk_kda_fwd", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary",
+__all__ = ["chunk_kda_fwd", "KernelGate", "chunk_kda_fwd_prepare", "PreparedForward", "chunk_kda_summary",
            "chunk_kda_summary_prepared", "keep_for_backward", "restore_prepared", "is_supported", "SUPPORTED_HEAD_DIMS",
            "MAX_GRID_YZ", "TMA_ALIGN"]

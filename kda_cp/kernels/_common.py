@@ -175,10 +175,16 @@ def sub_chunk_ref(gam_s, I, d):
     return gam_s[T.max(SUB * I - 1, 0), d] * T.cast(T.min(I, 1), "float32")
 
 
-def row_scan_macro(C: int, ncols: int, threads: int):
+def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = None):
     """A TileLang macro ``row_scan(gam_s, bos, eos)``: the inclusive cumsum over the C rows of each
     of the first ``ncols`` columns of the shared fp32 tile gam_s (in place), rows past the sequence
     end (bos + i >= eos) taken as 0.
+
+    With ``gate_min`` set the macro is ``row_scan(gam_s, bos, eos, z_s, a, bias, ih)`` and scans
+    the gate g = gate_min * sigmoid(a * (z + bias[ih, d])) of the pre-activation tile z_s (C x
+    ncols, any float dtype) instead of gam_s's contents: a = exp(A_log) of head ih, bias the fp32
+    dt_bias buffer [H, K]. The gate is computed in the registers that load the
+    scan, so g itself is never stored.
 
     Every thread of the block takes part: the column is cut into parts of SUB rows; thread t takes
     column t % ncols and the parts t // ncols, t // ncols + threads / ncols, ... (``threads`` must
@@ -196,17 +202,30 @@ def row_scan_macro(C: int, ncols: int, threads: int):
     PT = threads // ncols  # threads per column
     MI = -(-NP // PT)  # parts per thread
 
+    LOG2E = 1.4426950408889634
+
+    def load(gam_s, z_s, i, d, a, b):
+        if gate_min is None:
+            return gam_s[i, d]
+        x = a * (T.cast(z_s[i, d], "float32") + b)
+        return T.float32(gate_min) / (T.float32(1) + T.exp2(-x * LOG2E))
+
     @T.macro
-    def row_scan(gam_s, bos, eos):
+    def row_scan(gam_s, bos, eos, z_s=None, a=None, bias=None, ih=None):
         tx = T.get_thread_binding()
         d = tx % ncols
         part_s = T.alloc_shared([NP, ncols], "float32")
         acc = T.alloc_local([MI * SUB], "float32")
+        b = T.float32(0)
+        if gate_min is not None:
+            b_l = T.alloc_local([1], "float32")
+            b_l[0] = bias[ih, d]
+            b = b_l[0]
         for m in T.unroll(MI):
             p = tx // ncols + m * PT
             if p < NP:
                 for r in T.unroll(SUB):
-                    acc[m * SUB + r] = T.if_then_else(bos + p * SUB + r < eos, gam_s[p * SUB + r, d],
+                    acc[m * SUB + r] = T.if_then_else(bos + p * SUB + r < eos, load(gam_s, z_s, p * SUB + r, d, a, b),
                                                       T.float32(0))
                 for r in T.unroll(1, SUB):
                     acc[m * SUB + r] = acc[m * SUB + r - 1] + acc[m * SUB + r]

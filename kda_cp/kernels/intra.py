@@ -140,7 +140,7 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
     return row_block
 
 
-def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
+def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_min=None, beta_scale=None):
     C = chunk_size
     BS = SUB
     NSUB = C // BS
@@ -148,7 +148,8 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
     solve = _solve_macro(C, f32, threads)
-    row_scan = row_scan_macro(C, K, threads)
+    row_scan = row_scan_macro(C, K, threads, gate_min)
+    gated = gate_min is not None
     # row blocks I < NSUB / 2 need the columns j < 16 (I + 1) <= NCH only: their MMA and masks
     # run over NCH columns (same bits, a quarter fewer MMA tiles), where that MMA still has an
     # m16n8 tile for each warp (TileLang finds no warp partition otherwise: chunk_size 32 or 16)
@@ -161,21 +162,8 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
     TT = T.dynamic("TT")
     NC = T.dynamic("NC")
 
-    @T.prim_func
-    def kda_intra_fwd(
-        Q: T.Tensor([TT, Hn, K], dtype),
-        Kx: T.Tensor([TT, Hn, K], dtype),
-        Vx: T.Tensor([TT, Hn, V], dtype),
-        G: T.Tensor([TT, Hn, K], f32),
-        Beta: T.Tensor([TT, Hn], f32),
-        Table: T.Tensor([NC, 2], "int32"),
-        W_out: T.Tensor([NC, Hn, C, K], dtype),
-        U_out: T.Tensor([NC, Hn, C, V], dtype),
-        Qg_out: T.Tensor([NC, Hn, C, K], dtype),
-        Kd_out: T.Tensor([NC, Hn, C, K], dtype),
-        Aqk_out: T.Tensor([NC, Hn, C, C], dtype),
-        Ec_out: T.Tensor([NC, Hn, K], f32),
-    ):
+    @T.macro
+    def body(Q, Kx, Vx, G, Beta, Alog, Bias, Table, W_out, U_out, Qg_out, Kd_out, Aqk_out, Ec_out):
         with T.Kernel(NC, Hn, threads=threads) as (ic, ih):
             gam_s = T.alloc_shared([C, K], f32)
             k_s = T.alloc_shared([C, K], dtype)
@@ -212,18 +200,34 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             # (k, q; a branch only the chunks that end a sequence early take). This spares the
             # per-row predicates and address arithmetic of per-thread loads, and the scan need
             # not wait for k and q. TMA needs 16-byte aligned tensors (chunk_kda_fwd checks).
+            # Gated (gate_min set): G is the gate's pre-activation z in q's dtype and the scan
+            # computes g = gate_min * sigmoid(exp(A_log) (z + dt_bias)) as it loads, so the fp32
+            # g never exists in memory; Beta is then beta's pre-activation (beta_scale * sigmoid).
             bar_g = T.alloc_barrier(1)
             bar_kq = T.alloc_barrier(1)
-            T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bar_g)
+            if gated:  # z (bf16) lands in km_s, dead until the row blocks (a tile of its own costs the second block per SM)
+                T.tma_copy(G[bos : bos + C, ih, :], km_s, barrier=bar_g)
+            else:
+                T.tma_copy(G[bos : bos + C, ih, :], gam_s, barrier=bar_g)
             T.tma_copy(Kx[bos : bos + C, ih, :], k_s, barrier=bar_kq)
             T.tma_copy(Q[bos : bos + C, ih, :], q_s, barrier=bar_kq)
             if T.get_thread_binding() == 0:
                 T.mbarrier_arrive(bar_g)
                 T.mbarrier_arrive(bar_kq)
             for i in T.Parallel(C):
-                beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+                if beta_scale is None:
+                    beta_s[i] = T.if_then_else(bos + i < eos, Beta[bos + i, ih], T.float32(0))
+                else:
+                    beta_s[i] = T.if_then_else(
+                        bos + i < eos,
+                        T.float32(beta_scale) / (T.float32(1) + T.exp2(-Beta[bos + i, ih] * LOG2E)), T.float32(0))
             T.mbarrier_wait_parity(bar_g, 0)
-            row_scan(gam_s, bos, eos)
+            if gated:
+                a_l = T.alloc_local([1], f32)
+                a_l[0] = T.exp2(Alog[ih] * LOG2E)
+                row_scan(gam_s, bos, eos, km_s, a_l[0], Bias, ih)
+            else:
+                row_scan(gam_s, bos, eos)
             T.mbarrier_wait_parity(bar_kq, 0)
             if eos - bos < C:
                 for i, d in T.Parallel(C, K):
@@ -274,6 +278,45 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads):
             T.gemm(Ti_c, vb_s, u_f, clear_accum=True)
             T.copy(u_f, uo_s)
             T.copy(uo_s, U_out[ic, ih, :, :])
+
+    if gated:
+        @T.prim_func
+        def kda_intra_fwd_gated(
+            Q: T.Tensor([TT, Hn, K], dtype),
+            Kx: T.Tensor([TT, Hn, K], dtype),
+            Vx: T.Tensor([TT, Hn, V], dtype),
+            Z: T.Tensor([TT, Hn, K], dtype),
+            Beta: T.Tensor([TT, Hn], f32),
+            Alog: T.Tensor([Hn], f32),
+            Bias: T.Tensor([Hn, K], f32),
+            Table: T.Tensor([NC, 2], "int32"),
+            W_out: T.Tensor([NC, Hn, C, K], dtype),
+            U_out: T.Tensor([NC, Hn, C, V], dtype),
+            Qg_out: T.Tensor([NC, Hn, C, K], dtype),
+            Kd_out: T.Tensor([NC, Hn, C, K], dtype),
+            Aqk_out: T.Tensor([NC, Hn, C, C], dtype),
+            Ec_out: T.Tensor([NC, Hn, K], f32),
+        ):
+            body(Q, Kx, Vx, Z, Beta, Alog, Bias, Table, W_out, U_out, Qg_out, Kd_out, Aqk_out, Ec_out)
+
+        return kda_intra_fwd_gated
+
+    @T.prim_func
+    def kda_intra_fwd(
+        Q: T.Tensor([TT, Hn, K], dtype),
+        Kx: T.Tensor([TT, Hn, K], dtype),
+        Vx: T.Tensor([TT, Hn, V], dtype),
+        G: T.Tensor([TT, Hn, K], f32),
+        Beta: T.Tensor([TT, Hn], f32),
+        Table: T.Tensor([NC, 2], "int32"),
+        W_out: T.Tensor([NC, Hn, C, K], dtype),
+        U_out: T.Tensor([NC, Hn, C, V], dtype),
+        Qg_out: T.Tensor([NC, Hn, C, K], dtype),
+        Kd_out: T.Tensor([NC, Hn, C, K], dtype),
+        Aqk_out: T.Tensor([NC, Hn, C, C], dtype),
+        Ec_out: T.Tensor([NC, Hn, K], f32),
+    ):
+        body(Q, Kx, Vx, G, Beta, None, None, Table, W_out, U_out, Qg_out, Kd_out, Aqk_out, Ec_out)
 
     return kda_intra_fwd
 
@@ -460,7 +503,7 @@ def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale)
 
 @functools.lru_cache(maxsize=None)
 def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, scale,
-                       block_k=None, block_v=None, threads=256, num_stages=1):
+                       block_k=None, block_v=None, threads=256, num_stages=1, gate_min=None, beta_scale=None):
     """Compile the chunk-local kernel for one static configuration (T is dynamic).
 
     Args:
@@ -474,15 +517,29 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
             so two blocks share an SM (docs/kernels.md).
         block_k, block_v, num_stages: unused here (whole K and V per block); kept for the
             common factory signature.
+        gate_min: None, or the gate's bound in [-5, 0) (bf16 only): the kernel then takes the gate's
+            pre-activation z [TT,H,K] in bf16 in g's place and two more inputs after beta,
+            A_log [H] f32 and dt_bias [H,K] f32, and applies g = gate_min * sigmoid(exp(A_log)
+            (z + dt_bias)) as it loads (fp32 g is never written).
+        beta_scale: None (beta is beta), or with gate_min: beta holds the pre-activation and the
+            kernel uses beta_scale * sigmoid(beta) (1, or 2 for negative eigenvalues).
     Returns:
         a compiled kernel taking (q[TT,H,K], k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32,
-        table[NC,2] i32, W[NC,H,C,K], U[NC,H,C,V], Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C],
-        eC[NC,H,K] f32); the last six are written. q, k, v and g are read by TMA: their data
-        pointers must be 16-byte aligned (chunk_kda_fwd checks; TMA descriptors cannot be made
-        otherwise).
+        [A_log[H], dt_bias[H,K] when gated,] table[NC,2] i32, W[NC,H,C,K], U[NC,H,C,V],
+        Qg[NC,H,C,K], Kd[NC,H,C,K], Aqk[NC,H,C,C], eC[NC,H,K] f32); the last six are written. q,
+        k, v and g are read by TMA: their data pointers must be 16-byte aligned (chunk_kda_fwd
+        checks; TMA descriptors cannot be made otherwise).
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
-    func = _intra_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads)
+    if gate_min is None and beta_scale is not None:
+        raise ValueError("beta_scale (beta's sigmoid in the kernel) is only built with the gate (gate_min)")
+    if gate_min is not None and not -5.0 <= gate_min < 0.0:
+        raise ValueError(f"gate_min must lie in [-5, 0), got {gate_min}")
+    if gate_min is not None and tl_dtype(dtype) != "bfloat16":
+        raise ValueError(f"the gate inside the kernel is built for bf16 inputs, got {dtype}")
+    func = _intra_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
+                       None if gate_min is None else float(gate_min),
+                       None if beta_scale is None else float(beta_scale))
     return compile_kernel(func, name="kda_intra_fwd", fast_math=True)

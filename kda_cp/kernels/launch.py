@@ -4,6 +4,7 @@ allocation and launches of the chunk-local, state and summary kernels, and the p
 intra.py and state.py; the package (kda_cp.kernels) re-exports the public names.
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,8 +33,9 @@ MAX_GRID_YZ = 65535
 TMA_ALIGN = 16
 
 
-def is_supported(q, k, v, g, beta, cu_seqlens=None):
-    """Whether the TileLang kernels cover these inputs.
+def is_supported(q, k, v, g, beta, cu_seqlens=None, gated=False):
+    """Whether the TileLang kernels cover these inputs (``gated``: g is the gate's pre-activation in
+    q's dtype, :class:`KernelGate`).
 
     Returns:
         (True, "") or (False, reason). Covered: CUDA tensors on a Hopper GPU (sm_90), q/k/v in
@@ -51,8 +53,10 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
         return False, f"GPU capability {torch.cuda.get_device_capability(q.device)} is not Hopper (9.x)"
     if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False, f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: need all bf16 or all fp16"
-    if g.dtype != torch.float32:
-        return False, f"g dtype {g.dtype}: need float32"
+    if gated and q.dtype != torch.bfloat16:
+        return False, f"the gate inside the kernel needs bf16 inputs, got {q.dtype}"
+    if g.dtype != (q.dtype if gated else torch.float32):
+        return False, f"g dtype {g.dtype}: need {q.dtype if gated else torch.float32}"
     if beta.dtype not in (torch.float32, q.dtype):
         return False, f"beta dtype {beta.dtype}: need float32 or {q.dtype}"
     if (q.dim() != 4 or v.dim() != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS
@@ -69,6 +73,20 @@ def is_supported(q, k, v, g, beta, cu_seqlens=None):
     return True, ""
 
 
+class KernelGate(NamedTuple):
+    """The gate applied inside the chunk-local kernel (flash-linear-attention's use_gate_in_kernel):
+    g is then the gate's pre-activation z in q's dtype and the kernel uses
+    g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); with ``beta_scale`` set, beta is a
+    pre-activation and the kernel uses beta_scale * sigmoid(beta). The fp32 g is never written."""
+
+    A_log: torch.Tensor
+    """[H] fp32, contiguous."""
+    dt_bias: torch.Tensor
+    """[H, K] fp32, contiguous (zeros for no bias)."""
+    beta_scale: float | None = None
+    """None (beta as given), 1.0, or 2.0 (negative eigenvalues)."""
+
+
 def check_tensor(name, t, shape, dtypes, aligned=False):
     """ValueError unless tensor ``t`` has this shape, one of ``dtypes``, is contiguous and (``aligned``) TMA-aligned."""
     if tuple(t.shape) != tuple(shape):
@@ -83,8 +101,9 @@ def check_tensor(name, t, shape, dtypes, aligned=False):
                          f"tensor (e.g. {name}.clone())")
 
 
-def validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, aligned=True):
-    """Check the kernels' inputs and options (ValueError naming the shapes); returns (B, T, H, K, V)."""
+def validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, aligned=True, gate=None):
+    """Check the kernels' inputs and options (ValueError naming the shapes); returns (B, T, H, K, V).
+    With a :class:`KernelGate`, g is the gate's pre-activation in q's dtype."""
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q and v must be 4-D, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     B, T, H, K = q.shape
@@ -92,7 +111,12 @@ def validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, aligned=Tru
     check_tensor("q", q, (B, T, H, K), _SUPPORTED_DTYPES, aligned)
     check_tensor("k", k, (B, T, H, K), (q.dtype,), aligned)
     check_tensor("v", v, (B, T, H, V), (q.dtype,), aligned)
-    check_tensor("g", g, (B, T, H, K), (torch.float32,), aligned)
+    check_tensor("g", g, (B, T, H, K), (torch.float32,) if gate is None else (q.dtype,), aligned)
+    if gate is not None:
+        check_tensor("A_log", gate.A_log, (H,), (torch.float32,))
+        check_tensor("dt_bias", gate.dt_bias, (H, K), (torch.float32,))
+        if gate.beta_scale not in (None, 1.0, 2.0):
+            raise ValueError(f"beta_scale must be None, 1 or 2, got {gate.beta_scale}")
     check_tensor("beta", beta, (B, T, H), (torch.float32, q.dtype))
     if K not in SUPPORTED_HEAD_DIMS or V != K:
         raise ValueError(f"head dims K={K}, V={V}: need K == V in {SUPPORTED_HEAD_DIMS} "
@@ -129,7 +153,7 @@ def tl_name(dtype):
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0, prepared=None):
+                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0, prepared=None, gate=None):
     """KDA forward with the TileLang chunk kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -149,6 +173,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
             kernels rely on g >= -5 (16-token sub-chunks), they do not check it.
         prepared: :func:`chunk_kda_fwd_prepare`'s result for these inputs (then only the state pass
             runs), or None.
+        gate: a :class:`KernelGate`: g (and beta, with its beta_scale) are pre-activations that
+            the chunk-local kernel turns into the gate as it loads them.
     Returns:
         o [B, T, H, V] in q's dtype, and final_state [N, H, K, V] fp32 or None.
     Raises:
@@ -160,7 +186,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
         recurrence on the same rounded inputs (H200): 3.6e-3 to 4.7e-3 for bf16, ~2e-3 for fp16
         (docs/kernels.md, "Accuracy").
     """
-    B, T, H, K, V = validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
+    B, T, H, K, V = validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, gate=gate)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, (N, H, K, V), (torch.float32,))
@@ -174,7 +200,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
     if prepared is None:  # the chunk-local kernel first: the GPU starts while the host goes on
-        W, U, Qg, Kd, Aqk, Ec, tables = _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size)
+        W, U, Qg, Kd, Aqk, Ec, tables = _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min, gate)
     else:
         W, U, Qg, Kd, Aqk, Ec, tables = prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
                                                           chunk_size, cu_seqlens)
@@ -263,18 +289,18 @@ def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, c
 
 
 def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
-                          g_min: float = -5.0) -> PreparedForward:
+                          g_min: float = -5.0, gate=None) -> PreparedForward:
     """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: docs/design.md §2):
     everything of the forward that does not depend on the incoming state. Context parallelism runs
     it once per shard and derives the shard's (M, S~) from it (:func:`chunk_kda_summary_prepared`);
     then ``chunk_kda_fwd(..., prepared=...)`` runs only the state pass. Arguments and errors as in :func:`chunk_kda_fwd`; T >= 1 and N >= 1.
     """
-    validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min)
-    return PreparedForward(_launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size),
+    validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, gate=gate)
+    return PreparedForward(_launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min, gate),
                            _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
 
 
-def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size):
+def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min=-5.0, gate=None):
     """Allocate the chunk-local tensors and launch the chunk-local kernel on validated inputs:
     (W, U, Qg, Kd, Aqk, eC, tables)."""
     from .intra import build_intra_kernel
@@ -291,8 +317,13 @@ def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size):
     Kd = torch.empty(NC, H, C, K, device=dev, dtype=q.dtype)
     Aqk = torch.empty(NC, H, C, C, device=dev, dtype=q.dtype)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale))(
-        qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
+    if gate is None:
+        build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale))(
+            qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
+    else:
+        build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale), gate_min=float(g_min),
+                           beta_scale=gate.beta_scale)(
+            qf, kf, vf, gf, bf, gate.A_log, gate.dt_bias, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
     return W, U, Qg, Kd, Aqk, Ec, tables
 
 

@@ -51,6 +51,38 @@ def test_intra_compiles(K, dtype):
     assert "kqp_s" in src and "kp_s" not in src.replace("kqp_s", "")
 
 
+def _shared_bytes(src):
+    """The end of the last dynamic shared-memory buffer of a kernel's source (its footprint)."""
+    C, K, bf, f4 = 64, 128, 2, 4  # the chunk-local kernel's tiles at K = V = 128 (kda_cp/kernels/intra.py)
+    sizes = {"gam_s": C * K * f4, "k_s": C * K * bf, "q_s": C * K * bf, "beta_s": C * f4, "kqp_s": 32 * K * bf,
+             "km_s": C * K * bf, "L_s": C * (C + 8) * f4, "Ti_s": C * C * f4, "Td_s": 4 * 16 * 16 * f4,
+             "tmp_s": 16 * C * f4, "Ti_c": C * C * bf, "vb_s": C * K * bf, "wo_s": C * K * bf, "uo_s": C * K * bf,
+             "part_s": 4 * K * f4}
+    offs = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)
+    assert offs and {n for n, _ in offs} <= set(sizes), [n for n, _ in offs if n not in sizes]
+    return max(int(o) + sizes[n] for n, o in offs)
+
+
+def test_intra_with_the_gate_inside_compiles():
+    """use_gate_in_kernel's chunk-local kernel: z (bf16) arrives by TMA in place of the fp32 g, the
+    gate is computed in the scan's loads (g never written), beta's sigmoid in its load, and the
+    shared-memory footprint stays that of the plain kernel's order (two blocks per SM: at most
+    113 KiB each; a separate z tile took 124 KiB)."""
+    scale = 128 ** -0.5
+    src = build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, gate_min=-5.0, beta_scale=1.0
+                             ).get_kernel_source()
+    plain = build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale).get_kernel_source()
+    assert "tl::tma_load(Z_desc," in src and "G_desc" not in src
+    assert "Alog[" in src and "Bias[" in src
+    assert src.count("tl::mma_sync<") == 3 and "wgmma" in src
+    assert _shared_bytes(src) <= 113 * 1024, _shared_bytes(src)
+    assert _shared_bytes(plain) <= 113 * 1024
+    with pytest.raises(ValueError, match="bf16"):
+        build_intra_kernel(None, 128, 128, 64, "float16", scale=scale, gate_min=-5.0)
+    with pytest.raises(ValueError, match="beta_scale"):
+        build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, beta_scale=1.0)
+
+
 @pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
 def test_decay_kernel_compiles(K, dtype):
     """The backward's remake of Qg, Kd (the forward keeps W, U, Aqk, eC only)."""
