@@ -265,8 +265,8 @@ class KDALayer(nn.Module):
         widths = [self.qkv_proj.out_features, self.g_down.out_features, HV, og_first.out_features]
         w_in = torch.cat([self.qkv_proj.weight, self.g_down.weight, self.b_proj.weight, og_first.weight])
         qkv, zd, b, og = glue.linear_split(x, w_in, widths)
-        if len(self.og_proj) > 1:
-            og = self.og_proj[1](og)
+        if len(self.og_proj) > 1:  # as one 2-D GEMM: its bias in the GEMM's epilogue, not a separate add
+            og = self.og_proj[1](og.flatten(0, 1)).view(B, T, -1)
         # Short conv + SiLU + L2Norm of q, k in one fused pass (kda_cp.glue); under CP the W-1 rows
         # before the shard (the halo) come from the previous ranks and feed the taps directly.
         weight = halo = lags = None

@@ -2,7 +2,7 @@
 
 Usage (on a Hopper GPU):
     python scripts/bench_layer.py --out bench_layer.json [--shapes L1 L2 L3] [--repeats 10]
-        [--profile] [--no-fla] [--compiled-glue]
+        [--profile] [--no-fla] [--compiled-glue] [--gate-in-kernel]
 
 Shapes (head_dim 128, bf16 weights and input): L1 = (B=1, T=32768, D=2048, H=16),
 L2 = (B=1, T=65536, D=1024, H=8), L3 = (B=2, T=16384, D=2304, H=32); "tiny" runs anywhere.
@@ -20,8 +20,10 @@ that runs torch.compile's and the peer's autotuning, reported as warmup_s):
     peak_MiB    allocator peak during forward+backward above the memory in use before it
 With --compiled-glue, kda_cp's layer is timed a second time with KDA_CP_GLUE_KERNELS=0 (its
 conv + SiLU + L2Norm through torch.compile instead of the TileLang conv kernels), row "kda_cp
-compiled glue". With --profile, CUDA time per kernel (torch.profiler, mean of 3 calls) of each layer's
-forward+backward, printed and stored under "profile". Prints a markdown table, writes JSON to --out.
+compiled glue". With --gate-in-kernel, it is timed again with KDA_CP_GATE_IN_KERNEL=1 (the gate and
+beta's sigmoid inside the chunk-local kernel), row "kda_cp gate in kernel". With --profile, CUDA
+time per kernel (torch.profiler, mean of 3 calls) of each layer's forward and forward+backward,
+printed and stored under "profile_fwd" and "profile". Prints a markdown table, writes JSON to --out.
 """
 
 import argparse
@@ -45,7 +47,10 @@ LAYER_SHAPES = {
     "tiny": dict(B=1, T=300, D=256, H=2),
 }
 HEAD_DIM = 128
-IMPLS = ("kda_cp", "kda_cp compiled glue", "fla")
+IMPLS = ("kda_cp", "kda_cp compiled glue", "kda_cp gate in kernel", "fla")
+# kda_cp's variants: the row name, the environment variable kda_cp reads per call, its value
+VARIANTS = {"compiled_glue": ("kda_cp compiled glue", "KDA_CP_GLUE_KERNELS", "0"),
+            "gate_in_kernel": ("kda_cp gate in kernel", "KDA_CP_GATE_IN_KERNEL", "1")}
 
 
 def layer_config(D, H, backend):
@@ -75,11 +80,24 @@ def measure(layer, x, dy, repeats, profile):
     if x.is_cuda:
         row["peak_MiB"] = peak_above_base(fwd_bwd)
         if profile:
+            row["profile_fwd"] = kernel_table(fwd)
             row["profile"] = kernel_table(fwd_bwd)
     return row
 
 
-def bench_shape(name, repeats, profile, with_fla, compiled_glue=False):
+def measure_with_env(layer, x, dy, repeats, profile, var, value):
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        return measure(layer, x, dy, repeats, profile)
+    finally:
+        if saved is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = saved
+
+
+def bench_shape(name, repeats, profile, with_fla, variants=()):
     s = LAYER_SHAPES[name]
     B, T, D, H = s["B"], s["T"], s["D"], s["H"]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,13 +120,9 @@ def bench_shape(name, repeats, profile, with_fla, compiled_glue=False):
         # the peer's weights through the converter users call (kda_cp.interop)
         ours.load_state_dict(import_kda_state_dict(peer.inner.state_dict(), ours.config, "fla"))
     out["kda_cp"] = measure(ours, x, dy, repeats, profile)
-    if compiled_glue:
-        saved = os.environ.get("KDA_CP_GLUE_KERNELS", "all")
-        os.environ["KDA_CP_GLUE_KERNELS"] = "0"  # read per call by kda_cp.glue
-        try:
-            out["kda_cp compiled glue"] = measure(ours, x, dy, repeats, profile)
-        finally:
-            os.environ["KDA_CP_GLUE_KERNELS"] = saved
+    for v in variants:
+        row, var, value = VARIANTS[v]
+        out[row] = measure_with_env(ours, x, dy, repeats, profile, var, value)
     if peer is not None:
         out["fla"] = measure(peer, x, dy, repeats, profile)
         y_a, dx_a = ours(x), None
@@ -151,6 +165,7 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--compiled-glue", action="store_true")
+    ap.add_argument("--gate-in-kernel", action="store_true")
     ap.add_argument("--out", default="bench_layer.json")
     args = ap.parse_args()
     with_fla = not args.no_fla
@@ -171,11 +186,13 @@ def main():
         meta["fla"] = getattr(fla, "__version__", "?")
     rows = []
     for name in args.shapes:
-        rows.append(bench_shape(name, args.repeats, args.profile, with_fla, args.compiled_glue))
+        variants = [v for v in VARIANTS if getattr(args, v)]
+        rows.append(bench_shape(name, args.repeats, args.profile, with_fla, variants))
         if args.profile:
             for impl in IMPLS:
-                if "profile" in rows[-1].get(impl, {}):
-                    print_table(f"{name} {impl} forward+backward", rows[-1][impl]["profile"])
+                for key, what in (("profile_fwd", "forward"), ("profile", "forward+backward")):
+                    if key in rows[-1].get(impl, {}):
+                        print_table(f"{name} {impl} {what}", rows[-1][impl][key])
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in IMPLS}), flush=True)
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
