@@ -10,9 +10,13 @@ kda_cp.kernels.chunk_kda_fwd.
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128 \
         --layer 2048 16 --layer 1024 8 --output-gate-rank 128    # + the conv kernels of two layer shapes
+
+--jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
 
 import argparse
+import subprocess
+import sys
 import time
 
 from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
@@ -34,46 +38,65 @@ def main():
     ap.add_argument("--output-gate-rank", type=int, default=None, help="the layers' output_gate_rank (default: full)")
     ap.add_argument("--conv-packed", action="store_true", help="the conv kernels for packed sequences too")
     ap.add_argument("--only-layers", action="store_true", help="only the --layer conv kernels")
+    ap.add_argument("--jobs", type=int, default=1, help="build in this many processes (each compile is one nvcc run)")
+    ap.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.jobs > 1:  # the same command once per shard of the build list, in parallel
+        argv, rest = [], iter(sys.argv[1:])
+        for a in rest:
+            if a == "--jobs":
+                next(rest)
+            elif not a.startswith("--jobs="):
+                argv.append(a)
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--shard", str(j), str(args.jobs)])
+                 for j in range(args.jobs)]
+        sys.exit(max(p.wait() for p in procs))
     C, dt = args.chunk_size, args.dtype
+    builds = {}
     for D, H in args.layer:
-        _conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed)
-    if args.only_layers:
-        return
-    for K in args.head_dim:
-        scale = float(K**-0.5)
-        builds = {
-            "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
-            **({f"intra, gate inside (beta_scale={bs})": (lambda bs=bs: build_intra_kernel(
-                None, K, K, C, dt, scale=scale, gate_min=-5.0, beta_scale=bs)) for bs in (1.0, 2.0, None)}
-               if dt == "bfloat16" else {}),
-            **{f"state+output h0={h0} ht={ht} block_v={bv} threads={th}": (
-                lambda h0=h0, ht=ht, bv=bv, th=th: build_state_output_kernel(
-                    None, K, K, C, dt, with_h0=h0, store_ht=ht, block_v=bv, threads=th))
-               for h0 in (True, False) for ht in (True, False) for bv, th in STATE_LAUNCHES},
-            "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
-            "summary state": lambda: build_summary_kernel(None, K, K, C),
-            "CP summary state from prepared": lambda: build_summary_kernel(None, K, K, C, dtype=dt),
-        }
-        if not args.no_backward:
-            builds.update({
-                **{f"bwd state {w} block_v={bv}": (lambda w=w, bv=bv: build_bwd_state_kernel(
-                    None, K, K, C, dt, walk=w, block_v=bv)) for w in ("forward", "reverse", "state_grad")
-                   for bv in (16, 32)},
-                "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
-                "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
-                "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),
-                "bwd decay (Qg, Kd)": lambda: build_decay_kernel(None, K, C, dt, scale=scale),
-            })
-        for name, build in builds.items():
-            t = time.time()
-            build()
-            print(f"K={K} {dt} {name}: {time.time() - t:.1f} s", flush=True)
+        builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed))
+    for K in [] if args.only_layers else args.head_dim:
+        builds.update(_op_builds(K, C, dt, not args.no_backward))
+    shard, n = args.shard
+    for name, build in list(builds.items())[shard::n]:
+        t = time.time()
+        build()
+        print(f"{name}: {time.time() - t:.1f} s", flush=True)
+
+
+def _op_builds(K, C, dt, backward):
+    """{name: build} of the op's kernels for head dim K (module docstring)."""
+    scale = float(K**-0.5)
+    pre = f"K={K} {dt} "
+    builds = {
+        pre + "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
+        **({pre + f"intra, gate inside (beta_scale={bs})": (lambda bs=bs: build_intra_kernel(
+            None, K, K, C, dt, scale=scale, gate_min=-5.0, beta_scale=bs)) for bs in (1.0, 2.0, None)}
+           if dt == "bfloat16" else {}),
+        **{pre + f"state+output h0={h0} ht={ht} block_v={bv} threads={th}": (
+            lambda h0=h0, ht=ht, bv=bv, th=th: build_state_output_kernel(
+                None, K, K, C, dt, with_h0=h0, store_ht=ht, block_v=bv, threads=th))
+           for h0 in (True, False) for ht in (True, False) for bv, th in STATE_LAUNCHES},
+        pre + "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
+        pre + "summary state": lambda: build_summary_kernel(None, K, K, C),
+        pre + "CP summary state from prepared": lambda: build_summary_kernel(None, K, K, C, dtype=dt),
+    }
+    if backward:
+        builds.update({
+            **{pre + f"bwd state {w} block_v={bv}": (lambda w=w, bv=bv: build_bwd_state_kernel(
+                None, K, K, C, dt, walk=w, block_v=bv)) for w in ("forward", "reverse", "state_grad")
+               for bv in (16, 32)},
+            pre + "bwd dv": lambda: build_bwd_dv_kernel(None, K, K, C, dt),
+            pre + "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
+            pre + "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),
+            pre + "bwd decay (Qg, Kd)": lambda: build_decay_kernel(None, K, C, dt, scale=scale),
+        })
+    return builds
 
 
 def _conv_builds(D, H, K, dt, output_gate_rank, packed):
-    """The conv + SiLU + L2Norm kernels (forward, backward; q, k, v parts) that a KDALayer of this
-    shape launches: x is the first 3 H K columns of the fused input projection, whose row holds
+    """{name: build} of the conv + SiLU + L2Norm kernels (forward, backward; q, k, v parts) that a
+    KDALayer of this shape launches: x is the first 3 H K columns of the fused input projection, whose row holds
     W_qkv, W_g_down (rank K), W_beta (H) and the output gate's first matrix."""
     from kda_cp.kernels.conv import build_conv_kernel
     from kda_cp.layers import KDAConfig
@@ -84,14 +107,15 @@ def _conv_builds(D, H, K, dt, output_gate_rank, packed):
     width = 3 * H * K + rank + c.v_heads + og
     if width * (2 if dt in ("bfloat16", "float16") else 4) % 16:
         width = 3 * H * K  # rows TMA cannot read in place: the conv reads a contiguous copy (conv._rows)
+    pre = f"layer D={D} H={H}: "
+    builds = {}
     for pk in (False, True) if packed else (False,):
-        for backward in (False, True):
+        for bwd in (False, True):
             for part in range(3):
-                t = time.time()
-                build_conv_kernel(3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps),
-                                  backward=backward, packed=pk)
-                print(f"layer D={D} H={H}: conv {'bwd' if backward else 'fwd'} part {part} packed={pk}: "
-                      f"{time.time() - t:.1f} s", flush=True)
+                builds[pre + f"conv {'bwd' if bwd else 'fwd'} part {part} packed={pk}"] = (
+                    lambda pk=pk, bwd=bwd, part=part: build_conv_kernel(
+                        3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd, packed=pk))
+    return builds
 
 
 if __name__ == "__main__":
