@@ -663,7 +663,7 @@ class GatedChunkKDAFunction(torch.autograd.Function):
 def _kernel_gate_backend(backend, q, k, v, z, b, cu_seqlens, g_min, chunk_size, segment_len):
     """The TileLang backend when the gate can run inside its chunk-local kernel for these inputs
     (bounded gate, no segments, inputs the kernels cover), else None (the gate then runs as glue)."""
-    if os.environ.get("KDA_CP_GATE_IN_KERNEL", "0") != "1":  # opt-in until measured on the GPU
+    if os.environ.get("KDA_CP_GATE_IN_KERNEL", "0") != "1":  # opt-in: no faster in the layer (docs/kernels.md)
         return None
     if backend == "torch" or g_min is None or segment_len is not None or chunk_size != 64 or not q.is_cuda:
         return None
