@@ -12,11 +12,14 @@
 # compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes);
 # "layer": the layer's GPU tests, tests/ops/test_op_options_gpu.py and bench_layer.py --compiled-glue (LAYER_SHAPES,
 # LAYER_PROFILE=1 for --profile);
+# "conv": tune_conv.py (the conv kernels' launches at L1-L3, each against the default);
 # "hybrid": bench_hybrid.py (the 64k hybrid model with kda_cp's and with the peer's layer). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log.
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
 mkdir -p "$OUT"
+# the peer's autotuning results on disk: paid once per machine, not once per process and step
+export TRITON_CACHE_AUTOTUNING=1
 STEPS=${*:-tests bench}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/summary.log"
 run() {  # name, timeout, command...
@@ -61,6 +64,9 @@ for step in $STEPS; do
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
         --compiled-glue ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"
       grep -E "^\| |rel RMS" "$OUT/bench_layer.log" | tee -a "$OUT/summary.log" ;;
+    conv)
+      run tune_conv ${BENCH_LIMIT:-600} python scripts/tune_conv.py --out "$OUT/tune_conv.json"
+      grep "^| " "$OUT/tune_conv.log" | tee -a "$OUT/summary.log" ;;
     hybrid)
       run bench_hybrid ${BENCH_LIMIT:-600} python scripts/bench_hybrid.py --steps ${HYBRID_STEPS:-40} \
         --workdir /tmp/bench_hybrid --out "$OUT/bench_hybrid.json"

@@ -37,6 +37,7 @@ def main():
                          "(repeatable); the conv kernels are built per channel count and row stride")
     ap.add_argument("--output-gate-rank", type=int, default=None, help="the layers' output_gate_rank (default: full)")
     ap.add_argument("--conv-packed", action="store_true", help="the conv kernels for packed sequences too")
+    ap.add_argument("--conv-tune", action="store_true", help="the conv kernels of every launch scripts/tune_conv.py times")
     ap.add_argument("--only-layers", action="store_true", help="only the --layer conv kernels")
     ap.add_argument("--jobs", type=int, default=1, help="build in this many processes (each compile is one nvcc run)")
     ap.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"), help=argparse.SUPPRESS)
@@ -54,7 +55,7 @@ def main():
     C, dt = args.chunk_size, args.dtype
     builds = {}
     for D, H in args.layer:
-        builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed))
+        builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed, args.conv_tune))
     for K in [] if args.only_layers else args.head_dim:
         builds.update(_op_builds(K, C, dt, not args.no_backward))
     shard, n = args.shard
@@ -94,7 +95,7 @@ def _op_builds(K, C, dt, backward):
     return builds
 
 
-def _conv_builds(D, H, K, dt, output_gate_rank, packed):
+def _conv_builds(D, H, K, dt, output_gate_rank, packed, tune=False):
     """{name: build} of the conv + SiLU + L2Norm kernels (forward, backward; q, k, v parts) that a
     KDALayer of this shape launches: x is the first 3 H K columns of the fused input projection, whose row holds
     W_qkv, W_g_down (rank K), W_beta (H) and the output gate's first matrix."""
@@ -115,6 +116,16 @@ def _conv_builds(D, H, K, dt, output_gate_rank, packed):
                 builds[pre + f"conv {'bwd' if bwd else 'fwd'} part {part} packed={pk}"] = (
                     lambda pk=pk, bwd=bwd, part=part: build_conv_kernel(
                         3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd, packed=pk))
+    if tune:  # the other launches of tune_conv.py (dense)
+        from tune_conv import LAUNCHES
+
+        for bwd in (False, True):
+            for launch in LAUNCHES["bwd" if bwd else "fwd"][1:]:
+                for part in range(3):
+                    builds[pre + f"conv {'bwd' if bwd else 'fwd'} part {part} launch {launch}"] = (
+                        lambda bwd=bwd, part=part, launch=launch: build_conv_kernel(
+                            3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd,
+                            packed=False, launch=launch))
     return builds
 
 

@@ -44,7 +44,7 @@ def _and(a, b):
     return a if b is True else a & b
 
 
-def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward, packed):
+def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, backward, packed):
     """One launch covers the H heads of one part (0: q, 1: k, 2: v; q and k are L2-normed).
 
     packed: taps are masked by Lags (packed sequences); else every tap reads the same sequence
@@ -263,6 +263,8 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward, pack
         DWp: T.Tensor([S, B, G * W, C], f32),
     ):
         with T.Kernel(S, H, B, threads=threads) as (sp, h, b):
+            if min_blocks > 1:  # ptxas caps the registers so that many blocks fit an SM
+                T.annotate_min_blocks_per_sm(min_blocks)
             c0 = cbase + h * K
             xa = T.alloc_shared([R + W - 1, K], dtype)
             da = T.alloc_shared([R, K], dtype)
@@ -314,7 +316,7 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, backward, pack
 
 
 @functools.lru_cache(maxsize=None)
-def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, packed=True, threads=None,
+def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, packed=True, launch=None,
                       fast_math=True):
     """Compile the forward or the backward of one part (0: q, 1: k, 2: v); T, B and the token
     split S dynamic. CS >= C is X's row stride (X may be the first C columns of a wider buffer).
@@ -324,13 +326,14 @@ def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward,
     Backward: kernel(X, Wt, Halo, Lags, dY[B*T, H, K], dX[B*T, C] (this part's columns written),
     dHalo[B, W-1, C] (halo_dtype; written by the blocks of the first tile), dWp[S, B, W*4, C] f32:
     partial weight gradients, row u*4+g holding tap W-1-u of row group g, summed by the caller).
+    launch: (threads per block, resident blocks per SM), default FWD_LAUNCH or BWD_LAUNCH; the
+    backward's launch bounds ask for that many blocks (the forward's registers allow 3 at 256 threads).
     """
     if (CS * (4 if dtype == "float32" else 2)) % 16:
         raise ValueError(f"row stride CS={CS} of {dtype} is not a multiple of 16 bytes, which the TMA loads need")
-    if threads is None:
-        threads = 512 if backward else 256
-    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, backward,
-                                      packed),
+    threads, per_sm = launch or (BWD_LAUNCH if backward else FWD_LAUNCH)
+    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, per_sm,
+                                      backward, packed),
                           name="conv_bwd" if backward else "conv_fwd", fast_math=fast_math)
 
 
@@ -387,11 +390,17 @@ def _blocks(ntile, heads, B, x, per_sm):
     return max(1, min(ntile, per_sm * sms // (heads * B)))
 
 
-def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps):
+#: The launches: (threads per block, resident blocks per SM) of the forward and the backward.
+FWD_LAUNCH = (256, 2)
+BWD_LAUNCH = (512, 1)
+
+
+def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, launch=FWD_LAUNCH):
     """q, k, v = the layer's conv + SiLU + L2Norm (module docstring) on the kernels.
 
     Args: x [B, T, C] bf16/fp16, C = 3 * H * K, unit channel stride; weight [C, W]; halo
-    [B, W-1, C] in x's dtype; lags int [T] or None (every tap valid; the halo feeds t < W-1).
+    [B, W-1, C] in x's dtype; lags int [T] or None (every tap valid; the halo feeds t < W-1);
+    launch: (threads, blocks per SM), for scripts/tune_conv.py.
     Returns q, k, v [B, T, H, K], contiguous.
     """
     B, T, C = x.shape
@@ -405,15 +414,15 @@ def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps):
     wt = weight.float().t().contiguous()
     halo = halo.to(x.dtype).contiguous()
     lg = _lags(lags, T, W, x.device)
-    split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=2), dtype=torch.int32, device=x.device)
+    split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=launch[1]), dtype=torch.int32, device=x.device)
     for part, y in enumerate(outs):
         kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps), backward=False,
-                                 packed=lags is not None)
+                                 packed=lags is not None, launch=launch)
         kern(rows, wt, halo, lg, y.view(B * T, H, K), split)
     return tuple(outs)
 
 
-def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps):
+def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, *, launch=BWD_LAUNCH):
     """Gradients (dx [B, T, C], dweight [C, W], dhalo [B, W-1, C]) of :func:`conv_silu_norm_fwd`."""
     B, T, C = x.shape
     K = head_dim
@@ -426,12 +435,12 @@ def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps):
     wt = weight.float().t().contiguous()
     hx = halo.to(x.dtype).contiguous()
     lg = _lags(lags, T, W, x.device)
-    S = _blocks(-(-T // (TILE - (W - 1))), H, B, x, per_sm=1)
+    S = _blocks(-(-T // (TILE - (W - 1))), H, B, x, per_sm=launch[1])
     dx = torch.empty(B * T, C, dtype=x.dtype, device=x.device)
     dwp = torch.empty(S, B, W, 4, C, dtype=torch.float32, device=x.device)  # row u*4+g: tap W-1-u
     for part, d in enumerate((dq, dk, dv)):
         kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(halo.dtype), float(eps),
-                                 backward=True, packed=lags is not None)
+                                 backward=True, packed=lags is not None, launch=launch)
         kern(rows, wt, hx, lg, _tma_ready(d.to(x.dtype).reshape(B * T, H, K)), dx, dhalo, dwp.view(S, B, 4 * W, C))
     dw = dwp.sum((0, 1, 3)).flip(0).t().to(weight.dtype)
     return dx.view(B, T, C), dw, dhalo

@@ -279,3 +279,15 @@ def test_conv_glue_kernels_compile(backward, packed):
         assert "bar_a[0].wait((p & 1))" in loop and "bar_b[0].wait((p & 1))" in loop
         assert loop.index("tma_load(X_desc, bar_b") < loop.index("bar_a[0].wait")
         assert ("Lags[" in body) == packed
+
+
+def test_conv_backward_launch_bounds_follow_the_launch():
+    """tune_conv.py's launches: the backward asks ptxas for the blocks per SM it plans for (its
+    default, 512 threads, one block), and the same kernel builds for 256 threads and two."""
+    from kda_cp.kernels.conv import BWD_LAUNCH, build_conv_kernel
+
+    for launch in (BWD_LAUNCH, (256, 2)):
+        src = build_conv_kernel(768, 784, 2, 128, 4, 0, "bfloat16", "bfloat16", 1e-6, backward=True,
+                                packed=False, launch=launch).get_kernel_source()
+        assert f"__launch_bounds__({launch[0]}, {launch[1]})" in src
+
