@@ -20,18 +20,22 @@ OUT=${OUT:-gpu_pass_out}
 mkdir -p "$OUT"
 # the peer's autotuning results on disk: paid once per machine, not once per process and step
 export TRITON_CACHE_AUTOTUNING=1
+# the GPU tests in PYTEST_WORKERS processes (default 8) where pytest-xdist is installed: their kernel
+# builds run in parallel (one nvcc each), and the tests only compare numbers (no timings)
+XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
 STEPS=${*:-tests bench}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/summary.log"
 run() {  # name, timeout, command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # SIGINT first: pytest then prints which tests passed and failed before the cut
+  timeout -s INT -k 30 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
 }
 for step in $STEPS; do
   case $step in
     tests)
-      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
+      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu $XDIST -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
         tests/kernels/test_kernels_bwd_gpu.py tests/cp/test_cp_gpu.py \
         tests/ops/test_segments_gpu.py
       tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
@@ -58,7 +62,7 @@ for step in $STEPS; do
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     layer)
-      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
+      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu $XDIST -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
         tests/ops/test_op_options_gpu.py tests/nn/test_interop_gpu.py
       tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
