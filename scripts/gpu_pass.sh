@@ -68,7 +68,9 @@ for step in $STEPS; do
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
         --compiled-glue ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"
       grep -E "^\| |rel RMS" "$OUT/bench_layer.log" | tee -a "$OUT/summary.log" ;;
-    conv)
+    conv)  # its kernels first, in parallel (cache hits where they were built ahead)
+      run prebuild_conv ${BENCH_LIMIT:-600} python scripts/prebuild_kernels.py --layer 2048 16 --layer 1024 8 \
+        --layer 2304 32 --output-gate-rank 128 --only-layers --conv-tune --jobs ${PREBUILD_JOBS:-12}
       run tune_conv ${BENCH_LIMIT:-600} python scripts/tune_conv.py --out "$OUT/tune_conv.json"
       grep "^| " "$OUT/tune_conv.log" | tee -a "$OUT/summary.log" ;;
     hybrid)

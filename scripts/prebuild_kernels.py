@@ -9,7 +9,8 @@ initial and a final state; the other three variants serve direct callers of
 kda_cp.kernels.chunk_kda_fwd.
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128 \
-        --layer 2048 16 --layer 1024 8 --output-gate-rank 128    # + the conv kernels of two layer shapes
+        --layer 2048 16 --layer 1024 8 --layer 2304 32 --output-gate-rank 128 --conv-tune --jobs 8
+        # + the conv kernels of bench_layer.py's shapes L1-L3, and those of tune_conv.py's launches
 
 --jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
@@ -42,16 +43,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="build in this many processes (each compile is one nvcc run)")
     ap.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.jobs > 1:  # the same command once per shard of the build list, in parallel
-        argv, rest = [], iter(sys.argv[1:])
-        for a in rest:
-            if a == "--jobs":
-                next(rest)
-            elif not a.startswith("--jobs="):
-                argv.append(a)
-        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--shard", str(j), str(args.jobs)])
-                 for j in range(args.jobs)]
-        sys.exit(max(p.wait() for p in procs))
+    if args.jobs > 1 and tuple(args.shard) == (0, 1):  # this command once per shard of the list, in parallel
+        procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--jobs", "1", "--shard", str(j),
+                                   str(args.jobs)]) for j in range(args.jobs)]
+        codes = [p.wait() for p in procs]
+        sys.exit(0 if not any(codes) else 1)
     C, dt = args.chunk_size, args.dtype
     builds = {}
     for D, H in args.layer:

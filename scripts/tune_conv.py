@@ -4,9 +4,10 @@ A launch is (threads per block, resident blocks per SM): the token split keeps t
 every SM, and the backward's launch bounds ask ptxas for registers that fit them. At each layer
 shape of bench_layer.py (x the q/k/v columns of the layer's fused projection output, bf16, dense),
 forward and backward alone on the same random inputs, median of --repeats CUDA-event timings, and
-the largest relative difference of each launch's outputs to the default's (q, k, v bitwise equal
-when the launch computes the same thing; dx too; the weight gradient's partial sums are added in
-another grouping, so it differs at fp32 rounding). Prints a table and writes JSON.
+the largest relative difference of each launch's outputs to the default's, reported for the reader
+to judge (q, k, v and dx should be bitwise equal; the weight gradient's partial sums are added in
+another grouping, so it may differ at fp32 rounding). Prints a table and writes JSON. Build the
+kernels first: prebuild_kernels.py --layer D H ... --only-layers --conv-tune.
 
     python scripts/tune_conv.py --out tune_conv.json [--shapes L1 L2 L3] [--repeats 20]
 """
@@ -20,7 +21,9 @@ from bench_layer import HEAD_DIM, LAYER_SHAPES
 from kda_cp.kernels.conv import BWD_LAUNCH, FWD_LAUNCH, conv_silu_norm_bwd, conv_silu_norm_fwd
 
 # the first listed launch is the default (conv.FWD_LAUNCH / BWD_LAUNCH)
-LAUNCHES = {"fwd": [FWD_LAUNCH, (256, 3), (128, 4)], "bwd": [BWD_LAUNCH, (256, 2), (512, 2), (128, 2)]}
+# Each fits its blocks in an SM's 64 K registers (allocated per warp in units of 256): the forward
+# at 128 threads as compiled (124 registers), the backward through its launch bounds.
+LAUNCHES = {"fwd": [FWD_LAUNCH, (128, 4)], "bwd": [BWD_LAUNCH, (256, 2), (512, 2), (128, 2)]}
 CONV = 4  # the layer's conv width
 EPS = 1e-6
 

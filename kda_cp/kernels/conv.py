@@ -315,7 +315,6 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, ba
     return kda_conv_bwd
 
 
-@functools.lru_cache(maxsize=None)
 def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, packed=True, launch=None,
                       fast_math=True):
     """Compile the forward or the backward of one part (0: q, 1: k, 2: v); T, B and the token
@@ -327,13 +326,22 @@ def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward,
     dHalo[B, W-1, C] (halo_dtype; written by the blocks of the first tile), dWp[S, B, W*4, C] f32:
     partial weight gradients, row u*4+g holding tap W-1-u of row group g, summed by the caller).
     launch: (threads per block, resident blocks per SM), default FWD_LAUNCH or BWD_LAUNCH; the
-    backward's launch bounds ask for that many blocks (the forward's registers allow 3 at 256 threads).
+    backward's launch bounds ask ptxas for that many blocks (the forward as compiled fits two
+    blocks of 256 threads or four of 128 by registers).
+    Raises ValueError when CS rows are not 16-byte multiples (TMA).
     """
     if (CS * (4 if dtype == "float32" else 2)) % 16:
         raise ValueError(f"row stride CS={CS} of {dtype} is not a multiple of 16 bytes, which the TMA loads need")
-    threads, per_sm = launch or (BWD_LAUNCH if backward else FWD_LAUNCH)
-    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), threads, per_sm,
-                                      backward, packed),
+    launch = tuple(launch or (BWD_LAUNCH if backward else FWD_LAUNCH))
+    return _build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), backward, packed, launch,
+                              fast_math)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, backward, packed, launch, fast_math):
+    threads, per_sm = launch
+    return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, eps, threads, per_sm, backward,
+                                     packed),
                           name="conv_bwd" if backward else "conv_fwd", fast_math=fast_math)
 
 
