@@ -4,7 +4,7 @@ A launch is (threads per block, resident blocks per SM): the token split keeps t
 every SM, and the backward's launch bounds ask ptxas for registers that fit them. At each layer
 shape of bench_layer.py (x the q/k/v columns of the layer's fused projection output, bf16, dense),
 forward and backward alone on the same random inputs, median of --repeats CUDA-event timings, and
-the largest relative difference of each launch's outputs to the default's, reported for the reader
+the largest relative RMS difference of each launch's outputs to the default's, reported for the reader
 to judge (q, k, v and dx should be bitwise equal; the weight gradient's partial sums are added in
 another grouping, so it may differ at fp32 rounding). Prints a table and writes JSON. Build the
 kernels first: prebuild_kernels.py --layer D H ... --only-layers --conv-tune.
@@ -16,6 +16,7 @@ import json
 
 import torch
 from _bench import time_ms
+from bench_backward import rel
 from bench_layer import HEAD_DIM, LAYER_SHAPES
 
 from kda_cp.kernels.conv import BWD_LAUNCH, FWD_LAUNCH, conv_silu_norm_bwd, conv_silu_norm_fwd
@@ -26,10 +27,6 @@ from kda_cp.kernels.conv import BWD_LAUNCH, FWD_LAUNCH, conv_silu_norm_bwd, conv
 LAUNCHES = {"fwd": [FWD_LAUNCH, (128, 4)], "bwd": [BWD_LAUNCH, (256, 2), (512, 2), (128, 2)]}
 CONV = 4  # the layer's conv width
 EPS = 1e-6
-
-
-def rel_max(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def tune_shape(name, repeats):
@@ -55,8 +52,8 @@ def tune_shape(name, repeats):
             names = ("q", "k", "v") if direction == "fwd" else ("dx", "dweight", "dhalo")
             if launch == LAUNCHES[direction][0]:
                 ref[direction] = out
-            diff = {n: rel_max(o, rf) for n, o, rf in zip(names, out, ref[direction])}
-            rows[f"{direction} {launch[0]}x{launch[1]}"] = {"ms": time_ms(fn, repeats), "rel_max_diff": diff}
+            diff = {n: rel(o, rf) for n, o, rf in zip(names, out, ref[direction])}
+            rows[f"{direction} {launch[0]}x{launch[1]}"] = {"ms": time_ms(fn, repeats), "rel_rms_diff": diff}
     return {"shape": {"name": name, **s, "head_dim": K}, "launches": rows}
 
 
@@ -70,10 +67,10 @@ def main():
         raise SystemExit("tune_conv.py needs a Hopper GPU")
     res = [tune_shape(n, args.repeats) for n in args.shapes]
     print("\n| launch (threads x blocks/SM) | " + " | ".join(f"{r['shape']['name']} ms" for r in res)
-          + " | largest rel. diff to the default |")
+          + " | largest rel. RMS diff to the default |")
     print("|---|" + "---|" * len(res) + "---|")
     for key in res[0]["launches"]:
-        diffs = max(max(r["launches"][key]["rel_max_diff"].values()) for r in res)
+        diffs = max(max(r["launches"][key]["rel_rms_diff"].values()) for r in res)
         print(f"| {key} | " + " | ".join(f"{r['launches'][key]['ms']:.3f}" for r in res) + f" | {diffs:.1e} |")
     with open(args.out, "w") as f:
         json.dump({"meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
