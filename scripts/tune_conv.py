@@ -24,7 +24,7 @@ from kda_cp.kernels.conv import BWD_LAUNCH, FWD_LAUNCH, conv_silu_norm_bwd, conv
 # the first listed launch is the default (conv.FWD_LAUNCH / BWD_LAUNCH)
 # Each fits its blocks in an SM's 64 K registers (allocated per warp in units of 256): the forward
 # at 128 threads as compiled (124 registers), the backward through its launch bounds.
-LAUNCHES = {"fwd": [FWD_LAUNCH, (128, 4)], "bwd": [BWD_LAUNCH, (256, 2), (512, 2), (128, 2)]}
+LAUNCHES = {"fwd": [FWD_LAUNCH, (128, 4)], "bwd": [BWD_LAUNCH, (512, 1), (512, 2), (128, 2)]}
 CONV = 4  # the layer's conv width
 EPS = 1e-6
 

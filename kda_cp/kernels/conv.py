@@ -400,7 +400,7 @@ def _blocks(ntile, heads, B, x, per_sm):
 
 #: The launches: (threads per block, resident blocks per SM) of the forward and the backward.
 FWD_LAUNCH = (256, 2)
-BWD_LAUNCH = (512, 1)
+BWD_LAUNCH = (256, 2)
 
 
 def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, launch=FWD_LAUNCH):
