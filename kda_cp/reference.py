@@ -123,6 +123,14 @@ def naive_recurrent_kda(
 # --------------------------------------------------------------------------------------------
 
 
+def decay_floor(dtype: torch.dtype) -> float:
+    """The per-step log decay below which g is raised before the within-chunk cumsum:
+    log(eps) - 20 (-35.9 in fp32, -56.0 in fp64). exp of it is e^-20 of the dtype's resolution, so
+    the clamp changes results far below rounding, while one step of, say, -1e8 among steps of
+    -0.1 would otherwise erase the small ones from the fp32 cumsum (or overflow it to -inf)."""
+    return math.log(torch.finfo(dtype).eps) - 20.0
+
+
 def _decayed_products(
     x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, strict: bool, anchored_diagonal: bool
 ) -> torch.Tensor:
@@ -192,7 +200,9 @@ def _chunk_intra(q, k, v, g, beta, chunk_size, with_output=True) -> _ChunkIntra:
 
     qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
     bc = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
-    gamma = gc.cumsum(-2)  # within-chunk cumsum of the natural-log decay
+    # within-chunk cumsum of the natural-log decay, each step first floored where exp(g) is far
+    # below the dtype's resolution (decay_floor): a huge step otherwise rounds away the small ones
+    gamma = gc.clamp(min=decay_floor(gc.dtype)).cumsum(-2)
     Gam = gamma.exp()
     gam_last = gamma[..., -1:, :]
     # Largest exponent the anchored diagonal blocks form: (SUB_CHUNK - 1) * max|g|.

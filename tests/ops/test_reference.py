@@ -79,6 +79,30 @@ def test_float32_against_fp64_recurrence():
     assert_close("final_state", s_ref, s, 1e-5)
 
 
+@pytest.mark.parametrize("big", [-1e4, -1e8, -2e37])
+def test_float32_steps_of_any_size_keep_the_small_ones(big):
+    """In fp32, one step of decay `big` (down to -2e37, finite) among steps of about -0.1 must not
+    erase those small steps from the within-chunk cumsum (at -1e8 the fp32 cumsum alone would lose
+    them: o off by 60%; at -2e37 it would overflow to NaN). Channel 0 takes the big step mid-chunk,
+    channel 1 on every token; the other channels are ordinary."""
+    q, k, v, g, beta, h0 = make_inputs(1, 100, 2, 8, 8, with_h0=True)
+    g = g.clone()
+    g[0, :, :, :2] = -0.1 * torch.rand(100, 2, 2, dtype=torch.float64) - 0.05
+    g[0, 37, :, 0] = big
+    g[0, :, 1, 1] = big
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o_ref, s_ref = naive_recurrent_kda(*ref_leaves[:5], initial_state=ref_leaves[5], output_final_state=True)
+    leaves = [x.float().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, g_min=None)
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("final_state", s_ref, s, 1e-5)
+    do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
+    want = torch.autograd.grad((o_ref, s_ref), ref_leaves, (do, ds))
+    got = torch.autograd.grad((o, s), leaves, (do.float(), ds.float()))
+    for name, w, x in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], want, got):
+        assert_close(name, w, x, 1e-5)
+
+
 def test_packed_sequences_equal_separate_runs():
     lengths = [15, 70, 1, 33]
     T = sum(lengths)
