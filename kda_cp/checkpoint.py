@@ -103,13 +103,17 @@ def verify(path: Path, hashes: bool = True) -> tuple[int | None, str]:
         return None, f"no {MANIFEST} (cut off before it was sealed)"
     try:
         meta = json.loads(manifest.read_text())
-        step, files = int(meta["step"]), dict(meta["files"])
+        step, files = meta["step"], dict(meta["files"])
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"step must be an int, got {step!r}")
         # an entry is {"size": n, "sha256": hex}, or the bare size of a manifest without digests
         entries = {rel: (e, None) if isinstance(e, int) else (int(e["size"]), e.get("sha256"))
                    for rel, e in files.items()}
     except (ValueError, KeyError, TypeError, OverflowError, AttributeError, UnicodeDecodeError) as exc:
         return None, f"unreadable {MANIFEST}: {exc}"
     for rel, (size, digest) in entries.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return None, f"unreadable {MANIFEST}: entry {rel!r} is not a path inside the checkpoint"
         f = path / rel
         if not f.is_file():
             return None, f"missing file {rel}"

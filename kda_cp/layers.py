@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp import glue
-from kda_cp.ops import BACKENDS, check_chunk_size, chunk_kda
+from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens, chunk_kda
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
 from kda_cp.parallel.layers.conv import agree_conv_inputs, causal_conv1d, halo_exchange
@@ -183,7 +183,8 @@ class KDALayer(nn.Module):
     strategy ("scan" or "ulysses", which needs num_heads % P == 0 and equal shards) picks the op.
 
     Forward:
-        x: [B, T, D] (floating point). Under CP, this rank's contiguous shard of the sequence.
+        x: [B, T, D], the parameters' dtype (or any float under torch.autocast). Under CP, this
+            rank's contiguous shard of the sequence.
         cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (B = 1), the same on every CP
             rank; neither the short conv nor the recurrence crosses a sequence start.
         Returns y: [B, T, D] in x's dtype.
@@ -194,7 +195,9 @@ class KDALayer(nn.Module):
     (GVA) the op repeats q and k per group of value heads.
 
     Raises:
-        ValueError: x not [B, T, d_model].
+        TypeError: x not a floating-point tensor.
+        ValueError: x not [B, T, d_model], or of another dtype than the parameters outside autocast;
+            cu_seqlens not 1-D integers from 0, non-decreasing.
         NotImplementedError: cu_seqlens with the "ulysses" strategy.
     """
 
@@ -250,14 +253,22 @@ class KDALayer(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         cp_group, cp_strategy = self.cp.group, self.cp.strategy
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
+                            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
+        w_dtype = self.qkv_proj.weight.dtype
+        if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
+                             "(layer.to(dtype)) or run under torch.autocast")
         if cu_seqlens is not None and cp_strategy == "ulysses":
             raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
         B, T, _ = x.shape
         H, HV, K, V = c.num_heads, c.v_heads, c.head_dim, c.v_dim
         rank, size = self.cp.rank_and_size()
         if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens)  # global offsets; the op checks their end against the length
             cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
         # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM; its
         # backward takes the q/k/v gradient as the conv wrote it (no concatenation into one of y's size).

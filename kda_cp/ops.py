@@ -484,7 +484,7 @@ def expand_value_heads(q, k, v):
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)) or v.shape[2] == q.shape[2]:
         return q, k
     H, HV = q.shape[2], v.shape[2]
-    if HV % H or k.shape != q.shape:
+    if H == 0 or HV % H or k.shape != q.shape:
         raise ValueError(f"v has HV = {HV} value heads and q, k have H = {H} heads {list(q.shape)}, {list(k.shape)}: "
                          "grouped value attention needs HV a multiple of H and k shaped like q")
     return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)

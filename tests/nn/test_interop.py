@@ -122,8 +122,14 @@ def test_bad_state_dicts_raise():
         import_kda_state_dict({**sd, "extra.weight": torch.zeros(1)}, cfg)
     with pytest.raises(ValueError, match="output_gate_rank"):
         import_kda_state_dict(sd, KDAConfig(d_model=D, num_heads=H, head_dim=K))
-    with pytest.raises(ValueError, match="nonzero"):
+    with pytest.raises(ValueError, match="not all zeros"):
         export_kda_state_dict(import_kda_state_dict(sd, cfg), cfg, "kimi")
+    ours = import_kda_state_dict(sd, cfg)
+    with pytest.raises(ValueError, match="not all zeros"):  # NaN is not a zero bias either
+        export_kda_state_dict({**ours, "og_proj.1.bias": torch.full_like(ours["og_proj.1.bias"], float("nan"))},
+                              cfg, "kimi")
+    with pytest.raises(ValueError, match="'A_log' is a list, expected a tensor"):
+        import_kda_state_dict({**sd, "A_log": [0.0, 0.0]}, cfg)
     with pytest.raises(ValueError, match=r"'v_proj.weight' has shape \(64, 48\), expected \(32, 48\)"):
         import_kda_state_dict(_fla_weights(seed=1, HV=2 * H), cfg)  # a GVA checkpoint needs num_v_heads
     # every problem in one message, both ways

@@ -64,6 +64,16 @@ def test_layer_bad_input():
     layer = KDALayer(KDAConfig(**CFG))
     with pytest.raises(ValueError, match=r"\[B, T, d_model\]"):
         layer(torch.randn(2, 10, 31))
+    with pytest.raises(TypeError, match="floating-point tensor, got list"):
+        layer([[0.0] * CFG["d_model"]])
+    with pytest.raises(ValueError, match="x is torch.float64 but the layer's parameters are torch.float32"):
+        layer(torch.randn(1, 10, CFG["d_model"], dtype=torch.float64))
+    x = torch.randn(1, 40, CFG["d_model"])
+    for cu in (torch.tensor([[0, 40]]), torch.tensor(40), torch.tensor([0.0, 40.0])):
+        with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
+            layer(x, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must not decrease"):
+        layer(x, cu_seqlens=torch.tensor([0, 30, 20, 40]))
     with pytest.raises(ValueError, match="g_min"):
         KDAConfig(g_min=-6.0)
     with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 4"):

@@ -128,6 +128,24 @@ def test_sha256_catches_same_size_corruption(tmp_path, caplog):
     assert m.latest(before=1) is None
 
 
+def test_manifest_entries_outside_the_checkpoint_or_odd_steps_are_refused(tmp_path):
+    """A manifest naming a file outside its directory (absolute, or through ..) or a step that is
+    not an int (true, 5.9) marks the checkpoint unreadable: it is skipped, not trusted."""
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None)
+    m.save(5, _write(b"old"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"xyz")
+    good = json.loads((m.path(5) / MANIFEST).read_text())
+    for files, step in (({str(outside): 3}, 5), ({"../outside.bin": 3}, 5), (good["files"], True),
+                        (good["files"], 5.9)):
+        (m.path(5) / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+        step_read, why = verify(m.path(5))
+        assert step_read is None and "unreadable" in why, (files, step, why)
+        assert m.latest() is None
+    (m.path(5) / MANIFEST).write_text(json.dumps(good))
+    assert m.latest().step == 5
+
+
 def test_manifest_without_digests_is_checked_by_size(tmp_path):
     """Manifests written before digests were recorded ({file: size}) still load."""
     m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None)
