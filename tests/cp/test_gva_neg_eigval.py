@@ -91,6 +91,9 @@ def test_bad_gva_and_beta_raise():
     v4 = torch.randn(1, 20, 4, v.shape[-1], dtype=torch.float64)
     with pytest.raises(ValueError, match="HV = 4 value heads and q, k have H = 3"):
         chunk_kda(q, k, v4, g, beta)
+    g4, beta4 = torch.cat([g, g[:, :, :1]], 2), torch.cat([beta, beta[:, :, :1]], 2)
+    with pytest.raises(ValueError, match="HV = 4 value heads and q, k have H = 0"):  # not a division by zero
+        chunk_kda(q[:, :, :0], k[:, :, :0], v4, g4, beta4)
     with pytest.raises(ValueError, match=r"beta .* must lie in \[0, 1\] \(allow_neg_eigval=True allows"):
         chunk_kda(q, k, v, g, 1.5 * beta + 0.6)
     with pytest.raises(ValueError, match=r"must lie in \[0, 2\] \(allow_neg_eigval\)"):
