@@ -107,6 +107,21 @@ def _check_stack(maps: AffineMap) -> None:
         raise ValueError(f"M must be [P, ..., K, K], got {tuple(M.shape)}")
     if S.shape[:-1] != M.shape[:-1]:
         raise ValueError(f"S must be [P, ..., K, V] matching M {tuple(M.shape)}, got {tuple(S.shape)}")
+    if M.dtype != S.dtype or not M.is_floating_point():
+        raise ValueError(f"M and S must share one floating dtype, got {M.dtype} and {S.dtype}")
+
+
+def _check_method(method) -> None:
+    if method not in ("sequential", "log_depth"):
+        raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
+
+
+def _check_state(name: str, x: torch.Tensor, maps: AffineMap) -> None:
+    """ValueError unless x is one state [..., K, V] of the maps' stack (S without its P dim)."""
+    want = tuple(maps.S.shape[1:])
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+        raise ValueError(f"{name} must be a state {list(want)} (S [P, ..., K, V] without P), got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
 
 
 @ieee_fp32
@@ -149,7 +164,7 @@ def exclusive_scan(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineM
             accM, accS = newM, newS
             d *= 2
         return AffineMap(accM, accS)
-    raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
+    _check_method(method)
 
 
 @ieee_fp32
@@ -174,7 +189,7 @@ def total(maps: AffineMap, method: ScanMethod = "log_depth") -> AffineMap:
             acc = compose(AffineMap(M[r], S[r]), acc)
         return acc
     if method != "log_depth":
-        raise ValueError(f"method must be 'sequential' or 'log_depth', got {method!r}")
+        _check_method(method)
     while M.shape[0] > 1:
         n = M.shape[0] // 2 * 2  # pairs (2i, 2i + 1); an odd last map carries over unchanged
         first, second = AffineMap(M[0:n:2], S[0:n:2]), AffineMap(M[1:n:2], S[1:n:2])
@@ -190,6 +205,7 @@ def prefix_at(maps: AffineMap, r: int, method: ScanMethod = "log_depth") -> Affi
     instead of a scan over all P maps.
     """
     _check_stack(maps)
+    _check_method(method)
     if not 0 <= r < maps.M.shape[0]:
         raise ValueError(f"r={r} outside the stack of {maps.M.shape[0]} maps")
     if r == 0:
@@ -201,6 +217,7 @@ def transposed_suffix_at(maps: AffineMap, r: int, method: ScanMethod = "log_dept
     """``reverse_transposed_exclusive_scan(maps)[r]`` alone: t_{r+1} o ... o t_{P-1} with
     t_j(x) = M_j^T x + G_j, the identity for r = P - 1 (P - r - 2 compositions)."""
     _check_stack(maps)
+    _check_method(method)
     P = maps.M.shape[0]
     if not 0 <= r < P:
         raise ValueError(f"r={r} outside the stack of {P} maps")
@@ -250,6 +267,7 @@ def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None) -> torch.T
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
         x, first = maps.S[0].clone(memory_format=torch.contiguous_format), 1  # M_0 0 + S_0
     else:  # a copy: the result never aliases the caller's tensor
+        _check_state("x0", x0, maps)
         x, first = x0.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), 0
     for j in range(first, r):
         x = _mv_add(maps.M[j], x, maps.S[j])
@@ -274,6 +292,7 @@ def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = Non
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
         d, last = maps.S[P - 1].clone(memory_format=torch.contiguous_format), P - 2  # M^T 0 + G
     else:
+        _check_state("seed", seed, maps)
         d, last = seed.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), P - 1
     for j in range(last, r, -1):
         d = _mv_add(maps.M[j].transpose(-1, -2), d, maps.S[j])

@@ -84,6 +84,20 @@ def test_bad_stack_and_method():
         scan.total(rand_maps(0))
     with pytest.raises(ValueError, match="empty"):
         scan.exclusive_scan(rand_maps(0))
+    maps = rand_maps(3)
+    for r in (0, 2):  # the identity ends check the method too
+        with pytest.raises(ValueError, match="method"):
+            scan.prefix_at(maps, r, "bogus")
+        with pytest.raises(ValueError, match="method"):
+            scan.transposed_suffix_at(maps, r, "bogus")
+    with pytest.raises(ValueError, match="M and S must share one floating dtype"):
+        scan.exclusive_scan(scan.AffineMap(maps.M, maps.S.float()))
+    state = maps.S[0]
+    for bad in (state[..., :-1], state[0], "x"):
+        with pytest.raises(ValueError, match=r"x0 must be a state"):
+            scan.state_at(maps, 2, bad)
+        with pytest.raises(ValueError, match=r"seed must be a state"):
+            scan.transposed_state_at(maps, 0, bad)
 
 
 def test_products_are_ieee_fp32_even_when_the_caller_allows_tf32(monkeypatch):
