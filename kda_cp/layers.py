@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp import glue
-from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens, chunk_kda
+from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens_tensor, chunk_kda
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
 from kda_cp.parallel.layers.conv import agree_conv_inputs, causal_conv1d, halo_exchange
@@ -197,7 +197,7 @@ class KDALayer(nn.Module):
     Raises:
         TypeError: x not a floating-point tensor.
         ValueError: x not [B, T, d_model], or of another dtype than the parameters outside autocast;
-            cu_seqlens not 1-D integers from 0, non-decreasing.
+            cu_seqlens not 1-D integers from 0, non-decreasing (the last from the op).
         NotImplementedError: cu_seqlens with the "ulysses" strategy.
     """
 
@@ -268,8 +268,8 @@ class KDALayer(nn.Module):
         H, HV, K, V = c.num_heads, c.v_heads, c.head_dim, c.v_dim
         rank, size = self.cp.rank_and_size()
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens)  # global offsets; the op checks their end against the length
             cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
+            check_cu_seqlens_tensor(cu_seqlens)  # its form before the conv reads it; the op checks the values
         # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM; its
         # backward takes the q/k/v gradient as the conv wrote it (no concatenation into one of y's size).
         og_first = self.og_proj[0]

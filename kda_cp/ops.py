@@ -43,6 +43,13 @@ class _DefaultGMin(float):
 DEFAULT_G_MIN = _DefaultGMin(-5.0)
 
 
+def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor) -> None:
+    """ValueError unless the tensor ``cu_seqlens`` is 1-D integers (its form only: no device read)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+            or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
+
+
 def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True) -> list[int]:
     """Packed-sequence offsets (FlashAttention convention) as a list of ints, after checking them.
 
@@ -57,9 +64,7 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
             allow_empty=False, not strictly increasing), or not ending at ``total``.
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
+        check_cu_seqlens_tensor(cu_seqlens)
         from kda_cp.kernels._common import host_offsets  # no device read for kda_cp's own offsets
         cs = list(host_offsets(cu_seqlens))
     else:

@@ -69,7 +69,7 @@ def test_layer_bad_input():
     with pytest.raises(ValueError, match="x is torch.float64 but the layer's parameters are torch.float32"):
         layer(torch.randn(1, 10, CFG["d_model"], dtype=torch.float64))
     x = torch.randn(1, 40, CFG["d_model"])
-    for cu in (torch.tensor([[0, 40]]), torch.tensor(40), torch.tensor([0.0, 40.0])):
+    for cu in (torch.tensor([[0, 40]]), torch.tensor(40), torch.tensor([0.0, 40.0]), [[0, 40]]):
         with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
             layer(x, cu_seqlens=cu)
     with pytest.raises(ValueError, match="cu_seqlens must not decrease"):
