@@ -65,6 +65,8 @@ from typing import NamedTuple
 
 import torch
 
+from kda_cp.reference import decay_floor
+
 __all__ = ["chunk_kda_bwd_mirror", "chunk_kda_state_grad_mirror", "SUB"]
 
 SUB = 16
@@ -102,14 +104,33 @@ def _row_factors(gamma: torch.Tensor):
     return row, cols
 
 
-def _decayed(x, k, gamma, strict):
-    """M_ij = sum_d x_id k_jd exp(gamma_id - gamma_jd) for j < i (strict) or j <= i, factorised per sub-chunk."""
+def _pairwise(x, k, gamma, I):
+    """[.., 16, 16, K] terms x_id k_jd exp(gamma_id - gamma_jd) of sub-chunk I's own block, j <= i,
+    each exponent <= 0 (the general gate's diagonal blocks, no anchor); zero above the diagonal."""
+    rs = slice(SUB * I, SUB * (I + 1))
+    diff = gamma[..., rs, None, :] - gamma[..., None, rs, :]
+    tri = torch.tril(torch.ones(SUB, SUB, dtype=torch.bool, device=x.device))[:, :, None]
+    e = torch.where(tri, torch.where(tri, diff, diff.new_zeros(())).exp(), diff.new_zeros(()))
+    return x[..., rs, None, :] * k[..., None, rs, :] * e
+
+
+def _decayed(x, k, gamma, strict, general=False):
+    """M_ij = sum_d x_id k_jd exp(gamma_id - gamma_jd) for j < i (strict) or j <= i, factorised per sub-chunk.
+
+    general: any g <= 0. The columns before sub-chunk I go through r_I (both factors <= 1) and
+    the own 16 x 16 block is summed pairwise, exp(gamma_i - gamma_j) per (i, j, d) (the bounded
+    path's column factor exp(r_I - gamma_j) there is unbounded)."""
     C = gamma.shape[-2]
     row, cols = _row_factors(gamma)
     out = x.new_zeros(*x.shape[:-1], C)
     for I in range(C // SUB):
         rs = slice(SUB * I, SUB * (I + 1))
-        out[..., rs, :] = (x[..., rs, :] * row[..., rs, :]) @ (k * cols[I]).transpose(-1, -2)
+        col = cols[I]
+        if general:
+            col = torch.where((torch.arange(C, device=x.device) < SUB * I)[:, None], col, col.new_zeros(()))
+        out[..., rs, :] = (x[..., rs, :] * row[..., rs, :]) @ (k * col).transpose(-1, -2)
+        if general:
+            out[..., rs, rs] = _pairwise(x, k, gamma, I).sum(-1)
     mask = torch.tril(torch.ones(C, C, dtype=torch.bool, device=x.device), diagonal=-1 if strict else 0)
     return out * mask
 
@@ -124,7 +145,7 @@ def _bf16_pieces(x, pieces):
     return out
 
 
-def _decayed_grads(dM, x, k, gamma, pieces=0):
+def _decayed_grads(dM, x, k, gamma, pieces=0, general=False):
     """Row and column gradients of M = decayed(x, k): returns (dx, dk) with dM already masked.
 
     Factorised as the "dk" kernel computes them (module docstring): the row side by column
@@ -132,18 +153,23 @@ def _decayed_grads(dM, x, k, gamma, pieces=0):
     (token, channel) by an fp32 factor. pieces > 0 emulates the kernel's GEMM operands: dM rounded
     to bf16 and each factor table split into that many bf16 pieces (the kernel uses 2), products
     accumulated exactly.
+
+    general: any g <= 0. The anchored sums skip the own sub-chunk (rows i >= 16 (J + 1) on the row
+    side, columns j < 16 I on the column side: every factor <= 1) and the own 16 x 16 blocks are
+    summed pairwise in the dtype of x, as the forward's (:func:`_decayed`).
     """
     C = gamma.shape[-2]
     if pieces:
         dM = dM.to(torch.bfloat16).to(x.dtype)
     ar = torch.arange(C, device=x.device)[:, None]
     zero = gamma.new_zeros(())
+    own = 1 if general else 0  # sub-chunks the anchored sums leave to the pairwise blocks
     dx = torch.zeros_like(x)
     for J in range(C // SUB):
         cs = slice(SUB * J, SUB * (J + 1))
         sJ = gamma[..., SUB * J + SUB - 1 : SUB * J + SUB, :]
         table = k[..., cs, :] * (sJ - gamma[..., cs, :]).exp()
-        ok = ar >= SUB * J
+        ok = ar >= SUB * (J + own)
         factor = torch.where(ok, torch.where(ok, gamma - sJ, zero).exp(), zero)
         dx = dx + factor * (dM[..., :, cs] @ _bf16_pieces(table, pieces))
     dk = torch.zeros_like(k)
@@ -151,9 +177,14 @@ def _decayed_grads(dM, x, k, gamma, pieces=0):
         rs = slice(SUB * I, SUB * (I + 1))
         rI = gamma[..., SUB * I - 1 : SUB * I, :] if I else torch.zeros_like(gamma[..., :1, :])
         table = x[..., rs, :] * (gamma[..., rs, :] - rI).exp()
-        ok = ar < SUB * (I + 1)
+        ok = ar < SUB * (I + 1 - own)
         factor = torch.where(ok, torch.where(ok, rI - gamma, zero).exp(), zero)
         dk = dk + factor * (dM[..., rs, :].transpose(-1, -2) @ _bf16_pieces(table, pieces))
+        if general:  # own block: dx_i += sum_j dM_ij k_j e_ij, dk_j += sum_i dM_ij x_i e_ij
+            e = _pairwise(torch.ones_like(x), torch.ones_like(k), gamma, I)  # [.., i, j, K]
+            dMb = dM[..., rs, rs, None]
+            dx[..., rs, :] += (dMb * e * k[..., None, rs, :]).sum(-2)
+            dk[..., rs, :] += (dMb * e * x[..., rs, None, :]).sum(-3)
     return dx, dk
 
 
@@ -161,7 +192,7 @@ def _chunks(x, B, N, C, H):
     return x.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4)
 
 
-def _recompute(q, k, v, g, beta, scale, C) -> tuple[_Recompute, int]:
+def _recompute(q, k, v, g, beta, scale, C, general=False) -> tuple[_Recompute, int]:
     B, T, H, K = k.shape
     N = (T + C - 1) // C
     pad = N * C - T
@@ -170,15 +201,17 @@ def _recompute(q, k, v, g, beta, scale, C) -> tuple[_Recompute, int]:
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
     qc, kc, vc, gc = (_chunks(x, B, N, C, H) for x in (q, k, v, g))
     bc = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)
+    if general:  # the kernels' fp32 floor on each step (kda_cp.reference.decay_floor)
+        gc = gc.clamp(min=decay_floor(torch.float32))
     gamma = gc.cumsum(-2)
     Gam = gamma.exp()
     qs = qc * scale
-    Bkk = _decayed(kc, kc, gamma, strict=True)
+    Bkk = _decayed(kc, kc, gamma, strict=True, general=general)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     X = torch.linalg.solve_triangular(eye + bc[..., None] * Bkk, eye.expand_as(Bkk), upper=False, unitriangular=True)
     W = X @ (bc[..., None] * Gam * kc)
     U = X @ (bc[..., None] * vc)
-    Aqk = _decayed(qs, kc, gamma, strict=False)
+    Aqk = _decayed(qs, kc, gamma, strict=False, general=general)
     gC = gamma[..., -1:, :]
     return _Recompute(gamma, qs, kc, vc, bc, Bkk, X, W, U, Aqk, Gam * qs, kc * (gC - gamma).exp(),
                       gC[..., 0, :].exp()), N
@@ -204,12 +237,12 @@ def _state_pass(r: _Recompute, h0, dO, dht, need_states: bool):
     return Hs, dHs, dS
 
 
-def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None, dk_pieces=0):
+def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None, dk_pieces=0, general=False):
     B, T, H, K = k.shape
     V = v.shape[-1]
     if T == 0:  # nothing happens: the state passes through unchanged
         return (*(torch.zeros_like(x) for x in (q, k, v, g, beta)), dht.clone())
-    r, N = _recompute(q, k, v, g, beta, scale, C)
+    r, N = _recompute(q, k, v, g, beta, scale, C, general)
     if N * C != T:
         do = torch.nn.functional.pad(do, (0, 0, 0, 0, 0, N * C - T))
     dO = _chunks(do, B, N, C, H)
@@ -235,8 +268,8 @@ def _dense_bwd(q, k, v, g, beta, scale, h0, do, dht, C, stages=None, dk_pieces=0
     dv = r.beta[..., None] * dVb
     dbeta = (dKb * Gam * r.k).sum(-1) + (dVb * r.v).sum(-1) + (dA * r.Bkk).sum(-1)
     dB = r.beta[..., None] * dA
-    dxq, dkq = _decayed_grads(dAqk, r.qs, r.k, r.gamma, dk_pieces)
-    dxk, dkk = _decayed_grads(dB, r.k, r.k, r.gamma, dk_pieces)
+    dxq, dkq = _decayed_grads(dAqk, r.qs, r.k, r.gamma, dk_pieces, general)
+    dxk, dkk = _decayed_grads(dB, r.k, r.k, r.gamma, dk_pieces, general)
     dGk = r.beta[..., None] * dKb  # gradient of Gamma * k
     dqs = Gam * dQg + dxq
     dk = Gam * dGk + (r.gamma[..., -1:, :] - r.gamma).exp() * dKd + dxk + dkk + dkq
@@ -262,7 +295,7 @@ def _segments(cu_seqlens, T):
 
 
 def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht=None, cu_seqlens=None,
-                         chunk_size=64, stages=None, dk_pieces=0):
+                         chunk_size=64, stages=None, dk_pieces=0, general=False):
     """Gradients of <o, do> + <ht, dht> for KDA, computed stage by stage as the kernels do.
 
     Args:
@@ -275,6 +308,8 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
             eC, Hs, dHs, dAqk, dQg, dKd, deC, dW, dU, dB, dGk), dense inputs only; for kernel checks.
         dk_pieces: 0 (exact), or emulate the "dk" kernel's operands: dAqk and dB rounded to bf16
             and the decayed factors split into this many bf16 pieces (the kernel: 2).
+        general: the general-gate kernels' factorisation (any g <= 0: pairwise own sub-chunk
+            blocks, each step floored at decay_floor(float32) before the cumsum).
     Returns:
         (dq, dk, dv, dg, dbeta, dh0) with the shapes of q, k, v, g, beta and [N, H, K, V].
     """
@@ -287,20 +322,20 @@ def chunk_kda_bwd_mirror(q, k, v, g, beta, *, scale, initial_state=None, do, dht
     h0 = q.new_zeros(NS, H, K, V) if initial_state is None else initial_state.to(q.dtype)
     dht_ = q.new_zeros(NS, H, K, V) if dht is None else dht.to(q.dtype)
     if segs is None:
-        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size, stages, dk_pieces)
+        return _dense_bwd(q, k, v, g, beta, scale, h0, do, dht_, chunk_size, stages, dk_pieces, general)
     outs = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
     dh0 = torch.zeros_like(h0)
     for i, (a, b) in enumerate(segs):
         sl = slice(a, b)
         res = _dense_bwd(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, h0[i : i + 1],
-                         do[:, sl], dht_[i : i + 1], chunk_size, dk_pieces=dk_pieces)
+                         do[:, sl], dht_[i : i + 1], chunk_size, dk_pieces=dk_pieces, general=general)
         for o_, r_ in zip(outs, res[:5]):
             o_[:, sl] = r_
         dh0[i] = res[5][0]
     return (*outs, dh0)
 
 
-def chunk_kda_state_grad_mirror(q, k, v, g, beta, *, scale, do, chunk_size=64):
+def chunk_kda_state_grad_mirror(q, k, v, g, beta, *, scale, do, chunk_size=64, general=False):
     """dh0 of <o, do> with dht = 0 (the CP state gradient G, docs/design.md §4.2): the reverse walk alone.
 
     Args as :func:`chunk_kda_bwd_mirror` (no cu_seqlens). Returns dh0 [B, H, K, V].
@@ -309,7 +344,7 @@ def chunk_kda_state_grad_mirror(q, k, v, g, beta, *, scale, do, chunk_size=64):
     V = v.shape[-1]
     if T == 0:
         return q.new_zeros(B, H, K, V)
-    r, N = _recompute(q, k, v, g, beta, scale, chunk_size)
+    r, N = _recompute(q, k, v, g, beta, scale, chunk_size, general)
     if N * chunk_size != T:
         do = torch.nn.functional.pad(do, (0, 0, 0, 0, 0, N * chunk_size - T))
     dO = _chunks(do, B, N, chunk_size, H)

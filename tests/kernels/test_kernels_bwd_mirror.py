@@ -123,3 +123,56 @@ def test_dk_operand_split_keeps_dg_accurate():
     dq_two = rel_rms(exact[0], chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=2, **kw)[0])
     assert err[2] <= 4e-3 and dq_two <= 4e-3, (err, dq_two)  # dM's own bf16 rounding: ~1.6e-3
     assert err[1] >= 4 * err[2], err  # why the second piece is there
+
+
+def _softplus_gates(B, T, H, K):
+    """Kimi Linear's gate g = -exp(A_log) * softplus(f + dt_bias), A_log = log U(1, 16), with
+    per-channel biases over [-6, 6]: channels that keep the state over many chunks next to channels
+    with steps below -20 and chunk cumsums below -1000."""
+    a = torch.empty(H, 1, dtype=torch.float64).uniform_(1, 16)
+    bias = torch.stack([torch.linspace(-6.0, 6.0, K, dtype=torch.float64)[torch.randperm(K)] for _ in range(H)])
+    f = torch.randn(B, T, H, K, dtype=torch.float64) + bias
+    return -a * torch.nn.functional.softplus(f)
+
+
+@pytest.mark.parametrize("cu_lens", [None, [5, 70, 0, 64, 33]], ids=["dense", "packed"])
+def test_mirror_general_gates(cu_lens):
+    """general=True (the general-gate kernels' factorisation: anchored sums with factors <= 1,
+    pairwise own sub-chunk blocks, steps floored at fp32's decay_floor) equals autograd of the
+    recurrence for unbounded gates, T % 64 != 0, with initial and final states; in fp32 the bounded
+    factorisation overflows on the same inputs and the general one stays finite."""
+    lens = cu_lens or [150]
+    T, H, K, V = sum(lens), 2, 32, 16
+    q, k, v, _, beta, h0, do, dht = _inputs(1, T, H, K, V, len(lens))
+    g = _softplus_gates(1, T, H, K)
+    assert g.min() < -20 and g[0, :64].sum(0).min() < -1000
+    cu = None if cu_lens is None else torch.tensor([0] + lens).cumsum(0)
+    scale = K ** -0.5
+    ref = _autograd(naive_recurrent_kda, q, k, v, g, beta, h0, do, dht, scale, cu_seqlens=cu)
+    out = chunk_kda_bwd_mirror(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht,
+                               cu_seqlens=cu, general=True)
+    _check(ref, out)
+    if cu is None:  # the CP state gradient (dense inputs only)
+        state_ref = _autograd(naive_recurrent_kda, q, k, v, g, beta, h0, do, None, scale)[5]
+        state = chunk_kda_state_grad_mirror(q, k, v, g, beta, scale=scale, do=do, general=True)
+        assert rel_rms(state_ref, state) <= TOL
+    f32 = [x.float() for x in (q, k, v, g, beta)]  # the kernels' exponent range
+    bounded = chunk_kda_bwd_mirror(*f32, scale=scale, do=do.float(), cu_seqlens=cu)
+    assert not all(torch.isfinite(x).all() for x in bounded)
+    general = chunk_kda_bwd_mirror(*f32, scale=scale, do=do.float(), cu_seqlens=cu, general=True)
+    assert all(torch.isfinite(x).all() for x in general)
+
+
+def test_mirror_general_gates_dk_pieces():
+    """The general path with the "dk" kernel's operands (dM in bf16, tables in two bf16 pieces, the
+    pairwise blocks exact) keeps dq, dk, dg at the level of dM's own rounding, as the bounded path."""
+    B, T, H, K, V = 1, 300, 2, 64, 32
+    q, k, v, _, beta, _, do, _ = _inputs(B, T, H, K, V, B)
+    g = _softplus_gates(B, T, H, K)
+    q, k, v, do = (x.to(torch.bfloat16).double() for x in (q, k, v, do))
+    kw = dict(scale=K ** -0.5, do=do, general=True)
+    exact = chunk_kda_bwd_mirror(q, k, v, g, beta, **kw)
+    two = chunk_kda_bwd_mirror(q, k, v, g, beta, dk_pieces=2, **kw)
+    errs = {n: rel_rms(exact[i], two[i]) for i, n in ((0, "dq"), (1, "dk"), (3, "dg"))}
+    assert all(torch.isfinite(x).all() for x in two)
+    assert max(errs.values()) <= 4e-3, errs
