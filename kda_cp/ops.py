@@ -372,7 +372,7 @@ class TileLangBackend(Backend):
 
     def restore_prepared(self, q, k, v, g, beta, kept, opts, cu_seqlens=None):
         return self.kernels.restore_prepared(q, k, v, g, beta, kept, scale=opts.scale, cu_seqlens=cu_seqlens,
-                                             chunk_size=opts.chunk_size)
+                                             chunk_size=opts.chunk_size, g_min=opts.g_min)
 
     def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
         from kda_cp.kernels.backward import chunk_kda_state_grad

@@ -43,7 +43,7 @@ for step in $STEPS; do
   case $step in
     tests)
       run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu $XDIST -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
-        tests/kernels/test_kernels_bwd_gpu.py tests/cp/test_cp_gpu.py \
+        tests/kernels/test_kernels_bwd_gpu.py tests/kernels/test_kernels_general_gpu.py tests/cp/test_cp_gpu.py \
         tests/ops/test_segments_gpu.py
       tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
     bench)

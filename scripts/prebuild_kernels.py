@@ -3,10 +3,10 @@
 Needs nvcc, not a GPU: kernels are built for sm_90a, so a cache filled on a CPU machine is hit on
 the H200. Builds what chunk_kda (forward with initial/final state, backward, state gradient) and
 the CP shard summary launch for the given head dim and dtype, the state + output pass in every
-launch of _common.STATE_LAUNCHES, and the chunk-local kernel with the gate inside (bf16, the
-layer's path, g_min = -5). chunk_kda's TileLang backend always runs the forward with an
-initial and a final state; the other three variants serve direct callers of
-kda_cp.kernels.chunk_kda_fwd.
+launch of _common.STATE_LAUNCHES, the chunk-local kernel with the gate inside (bf16, the layer's
+path, g_min = -5), and the general-gate variants (g_min=None). chunk_kda's TileLang backend always
+runs the forward with an initial and a final state; the other three variants serve direct callers
+of kda_cp.kernels.chunk_kda_fwd.
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128 \
         --layer 2048 16 --layer 1024 8 --layer 2304 32 --output-gate-rank 128 --conv-tune --jobs 8
@@ -67,6 +67,7 @@ def _op_builds(K, C, dt, backward):
     pre = f"K={K} {dt} "
     builds = {
         pre + "intra": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale),
+        pre + "intra, general gate": lambda: build_intra_kernel(None, K, K, C, dt, scale=scale, general=True),
         **({pre + f"intra, gate inside (beta_scale={bs})": (lambda bs=bs: build_intra_kernel(
             None, K, K, C, dt, scale=scale, gate_min=-5.0, beta_scale=bs)) for bs in (1.0, 2.0, None)}
            if dt == "bfloat16" else {}),
@@ -75,6 +76,7 @@ def _op_builds(K, C, dt, backward):
                 None, K, K, C, dt, with_h0=h0, store_ht=ht, block_v=bv, threads=th))
            for h0 in (True, False) for ht in (True, False) for bv, th in STATE_LAUNCHES},
         pre + "summary intra": lambda: build_intra_summary_kernel(None, K, K, C, dt),
+        pre + "summary intra, general gate": lambda: build_intra_summary_kernel(None, K, K, C, dt, general=True),
         pre + "summary state": lambda: build_summary_kernel(None, K, K, C),
         pre + "CP summary state from prepared": lambda: build_summary_kernel(None, K, K, C, dtype=dt),
     }
@@ -87,6 +89,10 @@ def _op_builds(K, C, dt, backward):
             pre + "bwd ut": lambda: build_bwd_ut_kernel(None, K, K, C, dt),
             pre + "bwd dk": lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale),
             pre + "bwd decay (Qg, Kd)": lambda: build_decay_kernel(None, K, C, dt, scale=scale),
+            **{pre + f"bwd {n}, general gate": b for n, b in (
+                ("ut", lambda: build_bwd_ut_kernel(None, K, K, C, dt, general=True)),
+                ("dk", lambda: build_bwd_dk_kernel(None, K, C, dt, scale=scale, general=True)),
+                ("decay (Qg, Kd)", lambda: build_decay_kernel(None, K, C, dt, scale=scale, general=True)))},
         })
     return builds
 

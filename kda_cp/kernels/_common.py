@@ -24,6 +24,11 @@ import torch
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 SUB = 16  # sub-chunk length: exp(+-gamma) over 16 steps of g >= -5 stays below e^80
 
+#: The general-gate kernels (any g <= 0, ``g_min=None``) raise each step to this floor before the
+#: chunk-local cumsum: log(fp32 eps) - 20, kda_cp.reference.decay_floor(torch.float32), so that one
+#: huge step cannot erase the small ones from the fp32 cumsum. A no-op for bounded gates.
+GENERAL_FLOOR = -35.94238515
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -175,10 +180,11 @@ def sub_chunk_ref(gam_s, I, d):
     return gam_s[T.max(SUB * I - 1, 0), d] * T.cast(T.min(I, 1), "float32")
 
 
-def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = None):
+def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = None, floor: float | None = None):
     """A TileLang macro ``row_scan(gam_s, bos, eos)``: the inclusive cumsum over the C rows of each
     of the first ``ncols`` columns of the shared fp32 tile gam_s (in place), rows past the sequence
-    end (bos + i >= eos) taken as 0.
+    end (bos + i >= eos) taken as 0. ``floor`` (the general gate: GENERAL_FLOOR) raises each step
+    to at least that value first.
 
     With ``gate_min`` set the macro is ``row_scan(gam_s, bos, eos, z_s, a, bias, ih)`` and scans
     the gate g = gate_min * sigmoid(a * (z + bias[ih, d])) of the pre-activation tile z_s (C x
@@ -195,6 +201,8 @@ def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = No
     per column scanning all C rows would leave the other threads waiting at the next barrier."""
     import tilelang.language as T
 
+    if gate_min is not None and floor is not None:
+        raise ValueError("floor is for a scan of g itself, not of the bounded gate's pre-activation")
     if C % SUB or threads % ncols:
         raise ValueError(f"chunk_size must be a multiple of {SUB} and threads of the columns, got "
                          f"chunk_size={C}, threads={threads}, columns={ncols}")
@@ -206,7 +214,7 @@ def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = No
 
     def load(gam_s, z_s, i, d, a, b):
         if gate_min is None:
-            return gam_s[i, d]
+            return gam_s[i, d] if floor is None else T.max(gam_s[i, d], T.float32(floor))
         x = a * (T.cast(z_s[i, d], "float32") + b)
         return T.float32(gate_min) / (T.float32(1) + T.exp2(-x * LOG2E))
 
@@ -241,6 +249,44 @@ def row_scan_macro(C: int, ncols: int, threads: int, gate_min: float | None = No
                     gam_s[p * SUB + r, d] = acc[m * SUB + r] + off
 
     return row_scan
+
+
+def pairwise_macro(K: int, with_q: bool):
+    """A TileLang macro ``pairwise(I, gam_s, k_s, q_s, out_s)``: the own 16 x 16 block of sub-chunk I
+    (a loop variable) of the decayed products, summed pair by pair for the general gate (any g <= 0),
+    where the anchored split's column factor exp(r_I - gamma_j) would be unbounded:
+
+        out_s[r, j]      = sum_d k_i[d] k_j[d] exp(min(gamma_i[d] - gamma_j[d], 0))
+        out_s[16 + r, j] = sum_d q_i[d] k_j[d] exp(min(gamma_i[d] - gamma_j[d], 0))   (with_q)
+
+    i = 16 I + r, j' = 16 I + j, every (r, j) written (fp32); the caller keeps j < r (K K^T) or
+    j <= r (Q K^T), where the min is a no-op. One thread per (r, j), each walking the K channels
+    from its own offset 2 j, so that the 16 columns' reads of gam_s (fp32) and k_s (16-bit) fall
+    in 16 different banks. gam_s [C, >= K] fp32; k_s, q_s [C, >= K] any float dtype; q_s unused
+    without with_q.
+    """
+    import tilelang.language as T
+
+    LOG2E = 1.4426950408889634
+
+    @T.macro
+    def pairwise(I, gam_s, k_s, q_s, out_s):
+        for r, j in T.Parallel(SUB, SUB):
+            acc = T.alloc_local([2], "float32")
+            acc[0] = T.float32(0)
+            acc[1] = T.float32(0)
+            for d0 in T.serial(K):
+                d = (d0 + 2 * j) % K
+                e = T.exp2(T.min(gam_s[SUB * I + r, d] - gam_s[SUB * I + j, d], T.float32(0)) * LOG2E)
+                kj = T.cast(k_s[SUB * I + j, d], "float32") * e
+                acc[0] = acc[0] + T.cast(k_s[SUB * I + r, d], "float32") * kj
+                if with_q:
+                    acc[1] = acc[1] + T.cast(q_s[SUB * I + r, d], "float32") * kj
+            out_s[r, j] = acc[0]
+            if with_q:
+                out_s[SUB + r, j] = acc[1]
+
+    return pairwise
 
 
 def block_rows_macro(C: int, threads: int, beta_scaled: bool = False):

@@ -49,7 +49,7 @@ from .launch import check_tensor, kernel_inputs, prepared_tensors, tl_name, vali
 __all__ = ["chunk_kda_bwd", "chunk_kda_state_grad"]
 
 
-def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev):
+def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev, general=False):
     from .intra import build_intra_kernel
 
     NC = tables.num_chunks
@@ -59,8 +59,8 @@ def _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, d
     Kd = torch.empty(NC, H, C, K, device=dev, dtype=dtype)
     Aqk = torch.empty(NC, H, C, C, device=dev, dtype=dtype)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    build_intra_kernel(None, K, V, C, dt, scale=float(scale))(qf, kf, vf, gf, bf, tables.chunk_table,
-                                                            W, U, Qg, Kd, Aqk, Ec)
+    build_intra_kernel(None, K, V, C, dt, scale=float(scale), general=general)(
+        qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
     return W, U, Qg, Kd, Aqk, Ec
 
 
@@ -76,7 +76,7 @@ def _walk_block_v(dev, N, H, V):
 
 
 def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht=None, cu_seqlens=None,
-                  chunk_size: int = 64, g_min: float = -5.0, prepared=None):
+                  chunk_size: int = 64, g_min: float | None = -5.0, prepared=None):
     """Gradients of L = <o, do> + <ht, dht> for the KDA chunk forward, with TileLang kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -147,11 +147,13 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     NC = tables.num_chunks
     dt = tl_name(dtype)
     qf, kf, vf, gf, bf = kernel_inputs(q, k, v, g, beta)
+    general = g_min is None
     if prepared is None:
-        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev,
+                                                 general)
     else:
         W, U, Qg, Kd, Aqk, Ec, _ = prepared_tensors(prepared, "chunk_kda_bwd", q, k, v, g, beta, scale, C,
-                                                     cu_seqlens, consume=True)
+                                                     cu_seqlens, consume=True, general=general)
         del prepared
 
     # ---- stage 2: chunk-start states and chunk-end state gradients ----
@@ -181,20 +183,20 @@ def chunk_kda_bwd(q, k, v, g, beta, *, scale: float, initial_state=None, do, dht
     dv, dbeta = grad_buffers(v_grad, beta_grad)
     dB = torch.empty(NC, H, C, C, device=dev, dtype=mid)
     dGk = torch.empty(NC, H, C, K, device=dev, dtype=mid)
-    build_bwd_ut_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
+    build_bwd_ut_kernel(None, K, V, C, dt, general=general)(kf, vf, gf, bf, tables.chunk_table, W, U, dW, dU,
                                            dv.view(B * T, H, V), dbeta.view(B * T, H), dB, dGk)
     del W, U, dW, dU
 
     # ---- stage 5: "dk" ----
     dq, dk, dg = grad_buffers(qk_grad, qk_grad, g_grad)
-    build_bwd_dk_kernel(None, K, C, dt, scale=float(scale))(
+    build_bwd_dk_kernel(None, K, C, dt, scale=float(scale), general=general)(
         qf, kf, gf, tables.chunk_table, dAqk, dB, dQg, dKd, dGk, dEc,
         dq.view(B * T, H, K), dk.view(B * T, H, K), dg.view(B * T, H, K))
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
 
 
 def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None, chunk_size: int = 64,
-                         g_min: float = -5.0, prepared=None):
+                         g_min: float | None = -5.0, prepared=None):
     """G = dh0 of <o, do> with dht = 0: the context-parallel state gradient (docs/design.md §4.2).
 
     o is affine in h0, so G does not depend on h0; no state is recomputed and no dq/dk/dv is formed:
@@ -204,7 +206,8 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
         q, k: [B, T, H, K] bf16/fp16; v: [B, T, H, V]; g: [B, T, H, K] fp32 in [g_min, 0];
         beta: [B, T, H] fp32 or q's dtype; do: [B, T, H, V] q's dtype; all contiguous.
         scale: output scale. cu_seqlens: [N + 1] packed-sequence offsets (B == 1) or None.
-        chunk_size: 64. g_min: declared gate bound in [-5, 0).
+        chunk_size: 64. g_min: declared gate bound in [-5, 0), or None (any g <= 0: the
+            general-gate kernels).
         prepared: :func:`kda_cp.kernels.chunk_kda_fwd_prepare`'s result for these inputs and
             cu_seqlens, or None; read, not consumed: the CP backward passes the same one on to
             :func:`chunk_kda_bwd`, so stage 1 runs once for both.
@@ -227,10 +230,11 @@ def chunk_kda_state_grad(q, k, v, g, beta, *, scale: float, do, cu_seqlens=None,
     dt = tl_name(dtype)
     if prepared is None:
         qf, kf, vf, gf, bf = kernel_inputs(q, k, v, g, beta)
-        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev)
+        W, U, Qg, Kd, Aqk, Ec = _recompute_intra(qf, kf, vf, gf, bf, tables, H, K, V, C, dt, scale, dtype, dev,
+                                                 g_min is None)
     else:
         W, U, Qg, Kd, Aqk, Ec, _ = prepared_tensors(prepared, "chunk_kda_state_grad", q, k, v, g, beta, scale,
-                                                     C, cu_seqlens)
+                                                     C, cu_seqlens, general=g_min is None)
     dummy = torch.empty(1, H, K, V, device=dev, dtype=dtype)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     build_bwd_state_kernel(None, K, V, C, dt, walk="state_grad", block_v=_walk_block_v(dev, N, H, V))(

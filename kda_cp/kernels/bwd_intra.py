@@ -54,7 +54,8 @@ import functools
 
 import tilelang.language as T
 
-from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tl_dtype
+from ._common import (GENERAL_FLOOR, SUB, block_rows_macro, compile_kernel, pairwise_macro, row_scan_macro,
+                      sub_chunk_ref, tl_dtype)
 
 LOG2E = 1.4426950408889634
 MID = "bfloat16"  # dtype of the fp32-accumulated intermediates dAqk, dB, dQg, dKd, dGk between kernels
@@ -162,8 +163,10 @@ def _bwd_dv_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_dv
 
 
-def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
-    row_scan = row_scan_macro(C, K, threads)
+def _bwd_ut_func(H, K, V, C, dtype, f32, threads, general=False):
+    row_scan = row_scan_macro(C, K, threads, floor=GENERAL_FLOOR if general else None)
+    pairwise = pairwise_macro(K, with_q=False) if general else None
+    OWN = 0 if general else 1  # the anchored GEMM's columns: j < 16 (I + OWN)
     BS = SUB
     NSUB = C // BS
     R16 = tuple(range(BS))
@@ -219,6 +222,7 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
             r1_f = T.alloc_fragment([C], f32)
             r2_f = T.alloc_fragment([C], f32)
             r3_f = T.alloc_fragment([C], f32)
+            pw_s = T.alloc_shared([BS, BS], f32) if general else None  # own-block sums (general gate)
 
             # g and k by TMA (as in the forward's chunk-local kernel): the scan waits for g alone;
             # rows past the tensor's end arrive as zeros, rows past eos inside it (the next packed
@@ -249,14 +253,20 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
                     kp_s[r, d] = T.cast(
                         T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
                 for j, d in T.Parallel(C, K):
-                    if j < BS * (I + 1):  # a branch, not a select: no exponentials for the zero rows
+                    if j < BS * (I + OWN):  # a branch, not a select: no exponentials for the zero rows
                         km_s[j, d] = T.cast(T.cast(k_s[j, d], f32)
                                             * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E), op)
                     else:
                         km_s[j, d] = T.cast(0, op)
                 T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(BS, C):
-                    B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
+                if general:  # the own block summed pairwise (_common.pairwise_macro), index clamped
+                    pairwise(I, gam_s, k_s, k_s, pw_s)
+                    for r, j in T.Parallel(BS, C):
+                        b = T.if_then_else(j >= BS * I, pw_s[r, T.min(T.max(j - BS * I, 0), BS - 1)], bk_f[r, j])
+                        B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, b, T.float32(0))
+                else:
+                    for r, j in T.Parallel(BS, C):
+                        B_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, bk_f[r, j], T.float32(0))
             # Gamma * k for dbeta, in the input dtype: gamma and k are not needed after this
             for i, d in T.Parallel(C, K):
                 gk_s[i, d] = T.cast(T.cast(k_s[i, d], f32) * T.exp2(gam_s[i, d] * LOG2E), dtype)
@@ -330,8 +340,12 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads):
     return kda_bwd_ut
 
 
-def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
+def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k, general=False):
     BS = SUB
+    # general (any g <= 0): the anchored sums leave out the own sub-chunk (rows i >= 16 (J + 1) on
+    # the row side, columns j < 16 I on the column side: every factor <= 1), whose 16 x 16 blocks
+    # are then summed pair by pair with exp(min(gamma_i - gamma_j, 0)) in fp32 (tests/_bwd_mirror.py)
+    OWN = 1 if general else 0
     NSUB = C // BS
     BK = block_k  # key channels per block: every step below is independent per channel
     # Row pitch of the [token, channel] tiles, fp32 and 16-bit alike: BK + 8 makes the reads of
@@ -340,7 +354,7 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
     # factor-table builds, which read 16 rows x 2 channels, pay for it (gam_s up to 4-way, k and q
     # 2-way conflicts), but there are fewer of those reads.
     P = BK + 8
-    row_scan = row_scan_macro(C, BK, threads)
+    row_scan = row_scan_macro(C, BK, threads, floor=GENERAL_FLOOR if general else None)
     NP = C // BS  # the closing reverse scan: parts of 16 rows (as row_scan)
     PT = threads // BK  # threads per channel
     MI = -(-NP // PT)  # parts per thread
@@ -430,10 +444,18 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 T.warpgroup_fence_operand(p1_f, num_regs=C * BK // threads)  # reads of the accumulators
                 T.warpgroup_fence_operand(p2_f, num_regs=C * BK // threads)  # stay after the wait
                 for i, d in T.Parallel(C, BK):
-                    if i >= BS * J:  # rows before the sub-chunk: dM is zero there (and the factor unbounded)
+                    if i >= BS * (J + OWN):  # rows before the sub-chunk: dM is zero there (and the factor unbounded)
                         s = T.exp2((gam_s[i, d] - gam_s[BS * J + BS - 1, d]) * LOG2E)
                         dxq_f[i, d] = dxq_f[i, d] + s * p1_f[i, d]
                         dxk_f[i, d] = dxk_f[i, d] + s * p2_f[i, d]
+            if general:  # row side of the own blocks: dx_i += sum_{j in I} dM_ij k_j exp(gamma_i - gamma_j)
+                for i, d in T.Parallel(C, BK):
+                    gi = gam_s[i, d]
+                    for j in range(BS):
+                        jj = BS * (i // BS) + j
+                        kj = T.cast(k_s[jj, d], f32) * T.exp2(T.min(gi - gam_s[jj, d], T.float32(0)) * LOG2E)
+                        dxq_f[i, d] = dxq_f[i, d] + T.cast(daq_s[i, jj], f32) * kj
+                        dxk_f[i, d] = dxk_f[i, d] + T.cast(dab_s[i, jj], f32) * kj
 
             # ---- assembly of dq and of the row-side terms of dk, dgamma (dgamma in p2_f) ----
             for i, d in T.Parallel(C, BK):
@@ -473,9 +495,17 @@ def _bwd_dk_func(H, K, C, dtype, f32, scale, threads, block_k):
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(p1_f, num_regs=C * BK // threads)
                 for j, d in T.Parallel(C, BK):
-                    if j < BS * (I + 1):  # columns after the sub-chunk: dM is zero there
+                    if j < BS * (I + 1 - OWN):  # columns after the sub-chunk: dM is zero there
                         dxq_f[j, d] = dxq_f[j, d] + T.exp2(
                             (sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E) * p1_f[j, d]
+            if general:  # column side of the own blocks: dk_j += sum_{i in I} dM_ij x_i exp(gamma_i - gamma_j)
+                for j, d in T.Parallel(C, BK):
+                    gj = gam_s[j, d]
+                    for i in range(BS):
+                        ii = BS * (j // BS) + i
+                        x = (T.cast(daq_s[ii, j], f32) * T.cast(q_s[ii, d], f32) * scale
+                             + T.cast(dab_s[ii, j], f32) * T.cast(k_s[ii, d], f32))
+                        dxq_f[j, d] = dxq_f[j, d] + x * T.exp2(T.min(gam_s[ii, d] - gj, T.float32(0)) * LOG2E)
 
             # ---- dk; dgamma = row-side terms - k (dk(B) + dk(Aqk)) ----
             for i, d in T.Parallel(C, BK):
@@ -535,7 +565,7 @@ def build_bwd_dv_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
 
 @functools.lru_cache(maxsize=None)
 def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, block_k=None,
-                        block_v=None, threads=256, num_stages=1):
+                        block_v=None, threads=256, num_stages=1, general=False):
     """Compile kernel "ut", the UT transform's backward (T, chunks, H dynamic).
 
     Returns kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
@@ -544,18 +574,19 @@ def build_bwd_ut_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, bl
     k, g, W, U, dW and dU are read by TMA: 16-byte aligned data pointers (chunk_kda_bwd checks k
     and g; W, U, dW, dU are the package's own allocations).
     threads: 256 (two blocks per SM) or 128; a multiple of K (the gate cumsum) and 16 times a
-    divisor of 16 (the solve), ValueError otherwise.
+    divisor of 16 (the solve), ValueError otherwise. general: any g <= 0 (the forward's
+    :func:`kda_cp.kernels.intra.build_intra_kernel` general recompute of B).
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
-    return compile_kernel(_bwd_ut_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads),
+    return compile_kernel(_bwd_ut_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads, bool(general)),
                           name="kda_bwd_ut", fast_math=True)
 
 
 @functools.lru_cache(maxsize=None)
 def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, block_k=64,
-                        block_v=None, threads=256, num_stages=1):
+                        block_v=None, threads=256, num_stages=1, general=False):
     """Compile kernel "dk": decayed products' backward and the assembly of dq, dk, dg.
 
     ``scale`` is static (part of the cache key, as in the forward). Returns kernel(q[TT,H,K],
@@ -564,7 +595,7 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
     dq, dk, dg are written on valid rows. block_k: key channels per thread block (K % block_k == 0).
     threads: 256 (two warpgroups, each taking 32 of the 64 channels of every wgmma), at most 128
     registers per thread so that two blocks share an SM (docs/kernels.md). ValueError unless chunk_size is 64 and K and threads are
-    multiples of block_k.
+    multiples of block_k. general: any g <= 0, the own sub-chunk blocks summed pairwise.
     """
     block_k = min(block_k, K)
     if chunk_size != 64 or accum_dtype != "float32" or K % block_k or threads % block_k:
@@ -572,5 +603,5 @@ def build_bwd_dk_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale
         raise ValueError(f"chunk_size must be 64, accum_dtype float32, K and threads multiples of block_k, got "
                          f"{chunk_size}, {accum_dtype}, K={K}, threads={threads}, block_k={block_k}")
     return compile_kernel(_bwd_dk_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
-                                       block_k),
+                                       block_k, bool(general)),
                           name="kda_bwd_dk", fast_math=True)

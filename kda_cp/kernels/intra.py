@@ -33,14 +33,15 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from ._common import SUB, block_rows_macro, compile_kernel, row_scan_macro, sub_chunk_ref, tf32_hi, tl_dtype
+from ._common import (GENERAL_FLOOR, SUB, block_rows_macro, compile_kernel, pairwise_macro, row_scan_macro,
+                      sub_chunk_ref, tf32_hi, tl_dtype)
 
 
-def _load_cumsum_macro(C, K, threads):
+def _load_cumsum_macro(C, K, threads, general=False):
     """load_cumsum(G, bos, eos, ih, gam_s): gam_s[i, :] = sum_{s <= i} g_{bos+s}, every thread
     scanning parts of 16 rows of a key channel in registers (_common.row_scan_macro); rows past eos
     count as g = 0. The scan stays a loop in the generated code (see _solve_macro)."""
-    row_scan = row_scan_macro(C, K, threads)
+    row_scan = row_scan_macro(C, K, threads, floor=GENERAL_FLOOR if general else None)
 
     @T.macro
     def load_cumsum(G, bos, eos, ih, gam_s):
@@ -84,7 +85,7 @@ def _solve_macro(C, f32, threads):
     return solve
 
 
-def _row_block_macro(C, K, ncols, dtype, f32, scale):
+def _row_block_macro(C, K, ncols, dtype, f32, scale, general=False):
     """row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih): row
     block I (rows 16 I .. 16 I + 15) of the chunk-local kernel: its rows of Qg and Kd, of beta k e^gamma
     (written over q_s's rows, which nothing reads after this block), its rows of
@@ -93,13 +94,23 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
     (kqp_s) with the column table km_j = k_j exp(r_I - gamma_j) over the first ``ncols`` columns
     (km_s; its rows past sub-chunk I are not written here and reach only masked columns).
     ``ncols`` must cover the row block's sub-chunks, 16 (I + 1) <= ncols; Aqk's columns past ncols
-    are written as zeros, L_s's are left unwritten (the solve reads only j < 16 (I + 1))."""
+    are written as zeros, L_s's are left unwritten (the solve reads only j < 16 (I + 1)).
+
+    general (any g <= 0): the own sub-chunk's 16 x 16 block is summed pairwise first
+    (_common.pairwise_macro, into pw_s [32, 16] fp32, before q_s's rows are overwritten) and
+    replaces the MMA's columns there; the column factors are exp(min(r_I - gamma_j, 0)), <= 1."""
     BS = SUB
     op = "bfloat16"  # operand dtype of the Akk/Aqk GEMMs
     LOG2E = 1.4426950408889634
+    pairwise = pairwise_macro(K, with_q=True) if general else None
+
+    def capped(x):  # the column factor's exponent: capped at 0 (a factor <= 1) for the general gate
+        return T.min(x, T.float32(0)) if general else x
 
     @T.macro
-    def row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih):
+    def row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih, pw_s=None):
+        if general:
+            pairwise(I, gam_s, k_s, q_s, pw_s)
         # the row block's factors, and its rows of Qg and Kd (same q and gamma)
         for r, d in T.Parallel(BS, K):
             i = BS * I + r
@@ -123,16 +134,27 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
             for r, d in T.Parallel(BS, K):
                 km_s[BS * J + r, d] = T.cast(
                     T.cast(k_s[BS * J + r, d], f32)
-                    * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[BS * J + r, d]) * LOG2E), op)
+                    * T.exp2(capped(sub_chunk_ref(gam_s, I, d) - gam_s[BS * J + r, d]) * LOG2E), op)
         a_f = T.alloc_fragment([2 * BS, ncols], f32)  # [Akk; Aqk] rows of block I
         T.gemm(kqp_s, km_s[0:ncols, :], a_f, transpose_B=True, clear_accum=True)
-        for r, j in T.Parallel(2 * BS, ncols):
-            if r < BS:
-                L_s[BS * I + r, j] = T.if_then_else(
-                    j < BS * I + r, beta_s[BS * I + r] * a_f[r, j], T.float32(0))
-            else:
-                Aqk_out[ic, ih, BS * I + r - BS, j] = T.cast(
-                    T.if_then_else(j <= BS * I + r - BS, a_f[r, j], T.float32(0)), dtype)
+        if general:  # the own block from pw_s (its index clamped: both branches of a select are read)
+            for r, j in T.Parallel(2 * BS, ncols):
+                jo = T.min(T.max(j - BS * I, 0), BS - 1)
+                a = T.if_then_else(j >= BS * I, pw_s[r, jo] * T.if_then_else(r < BS, T.float32(1), T.float32(scale)),
+                                   a_f[r, j])
+                if r < BS:
+                    L_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, beta_s[BS * I + r] * a, T.float32(0))
+                else:
+                    Aqk_out[ic, ih, BS * I + r - BS, j] = T.cast(
+                        T.if_then_else(j <= BS * I + r - BS, a, T.float32(0)), dtype)
+        else:
+            for r, j in T.Parallel(2 * BS, ncols):
+                if r < BS:
+                    L_s[BS * I + r, j] = T.if_then_else(
+                        j < BS * I + r, beta_s[BS * I + r] * a_f[r, j], T.float32(0))
+                else:
+                    Aqk_out[ic, ih, BS * I + r - BS, j] = T.cast(
+                        T.if_then_else(j <= BS * I + r - BS, a_f[r, j], T.float32(0)), dtype)
         if ncols < C:
             for r, j in T.Parallel(BS, C - ncols):
                 Aqk_out[ic, ih, BS * I + r, ncols + j] = T.cast(0, dtype)
@@ -140,7 +162,8 @@ def _row_block_macro(C, K, ncols, dtype, f32, scale):
     return row_block
 
 
-def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_min=None, beta_scale=None):
+def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_min=None, beta_scale=None,
+                general=False):
     C = chunk_size
     BS = SUB
     NSUB = C // BS
@@ -148,15 +171,15 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_mi
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
     solve = _solve_macro(C, f32, threads)
-    row_scan = row_scan_macro(C, K, threads, gate_min)
+    row_scan = row_scan_macro(C, K, threads, gate_min, GENERAL_FLOOR if general else None)
     gated = gate_min is not None
     # row blocks I < NSUB / 2 need the columns j < 16 (I + 1) <= NCH only: their MMA and masks
     # run over NCH columns (same bits, a quarter fewer MMA tiles), where that MMA still has an
     # m16n8 tile for each warp (TileLang finds no warp partition otherwise: chunk_size 32 or 16)
     NCH = BS * (NSUB // 2)
     head = NCH > 0 and (2 * BS // 16) * (NCH // 8) >= threads // 32
-    row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale) if head else None
-    row_block = _row_block_macro(C, K, C, dtype, f32, scale)
+    row_block_head = _row_block_macro(C, K, NCH, dtype, f32, scale, general) if head else None
+    row_block = _row_block_macro(C, K, C, dtype, f32, scale, general)
 
     Hn = T.dynamic("H") if H is None else H  # heads: runtime unless specialised
     TT = T.dynamic("TT")
@@ -174,6 +197,7 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_mi
             # 16 rows each of the 8 warps loaded the whole A)
             kqp_s = T.alloc_shared([2 * BS, K], op)
             km_s = T.alloc_shared([C, K], op)  # k_j exp(r_I - gamma_j), j < BS*(I+1) (rest unread)
+            pw_s = T.alloc_shared([2 * BS, BS], f32) if general else None  # own-block sums (general gate)
             # row pitch C + 8: the stores of Akk from the MMA fragment (8 rows x 4 column pairs per
             # warp) and the solve's reads of two rows at once spread over the banks (a pitch of C puts
             # the 8 rows on one bank: 8-way conflicts)
@@ -243,13 +267,14 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_mi
             # select, so even a NaN there stays out of L and Aqk)
             if head:
                 for I in T.serial(NSUB // 2):  # the first half: their columns j < NCH only
-                    row_block_head(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
+                    row_block_head(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih,
+                                   pw_s)
                 for I in T.serial(NSUB - NSUB // 2):
                     row_block(I + NSUB // 2, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out,
-                              Aqk_out, ic, ih)
+                              Aqk_out, ic, ih, pw_s)
             else:
                 for I in T.serial(NSUB):
-                    row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih)
+                    row_block(I, gam_s, k_s, q_s, beta_s, kqp_s, km_s, L_s, Qg_out, Kd_out, Aqk_out, ic, ih, pw_s)
 
             # ---- eC now (k and gamma die here); v by TMA, in flight during the solve (issued
             # only now: its tile lies over the row blocks' dead ones, which keeps two blocks per
@@ -321,16 +346,19 @@ def _intra_func(H, K, V, chunk_size, dtype, accum_dtype, scale, threads, gate_mi
     return kda_intra_fwd
 
 
-def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
-    """fp32-accurate variant for the summary pass: W, U, Kd^T in fp32, GEMMs as 3xTF32."""
+def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads, general=False):
+    """fp32-accurate variant for the summary pass: W, U, Kd^T in fp32, GEMMs as 3xTF32. general: the
+    own sub-chunk blocks of Akk summed pairwise in fp32, the anchored columns j < 16 I only."""
     C = chunk_size
     BS = SUB
     NSUB = C // BS
     KMR = C
     f32 = accum_dtype
     LOG2E = 1.4426950408889634
-    load_cumsum = _load_cumsum_macro(C, K, threads)
+    load_cumsum = _load_cumsum_macro(C, K, threads, general)
     solve = _solve_macro(C, f32, threads)
+    pairwise = pairwise_macro(K, with_q=False) if general else None
+    OWN = 0 if general else 1  # the anchored GEMM's columns: j < 16 (I + OWN)
 
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -364,6 +392,7 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
             til_s = T.alloc_shared([C, C], f32)
             rh_s = T.alloc_shared([K, C], f32)  # right-hand side, transposed (K-major for TF32)
             rl_s = T.alloc_shared([K, C], f32)
+            pw_s = T.alloc_shared([BS, BS], f32) if general else None
 
             bos = Table[ic, 0]
             eos = Table[ic, 1]
@@ -383,17 +412,25 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
                 for j, d in T.Parallel(C, K):
                     ref = sub_chunk_ref(gam_s, I, d)
                     x = T.if_then_else(
-                        j < BS * (I + 1),
-                        T.cast(k_s[j, d], f32) * T.exp2((ref - gam_s[j, d]) * LOG2E), T.float32(0))
+                        j < BS * (I + OWN),
+                        T.cast(k_s[j, d], f32) * T.exp2(
+                            (T.min(ref - gam_s[j, d], T.float32(0)) if general else ref - gam_s[j, d]) * LOG2E),
+                        T.float32(0))
                     kmh_s[j, d] = tf32_hi(x)
                     kml_s[j, d] = x - tf32_hi(x)
                 akk_f = T.alloc_fragment([BS, C], f32)
                 T.gemm(kph_s, kmh_s, akk_f, transpose_B=True, clear_accum=True)
                 T.gemm(kph_s, kml_s, akk_f, transpose_B=True)
                 T.gemm(kpl_s, kmh_s, akk_f, transpose_B=True)
-                for r, j in T.Parallel(BS, C):
-                    L_s[BS * I + r, j] = T.if_then_else(
-                        j < BS * I + r, beta_s[BS * I + r] * akk_f[r, j], T.float32(0))
+                if general:
+                    pairwise(I, gam_s, k_s, k_s, pw_s)
+                    for r, j in T.Parallel(BS, C):
+                        a = T.if_then_else(j >= BS * I, pw_s[r, T.min(T.max(j - BS * I, 0), BS - 1)], akk_f[r, j])
+                        L_s[BS * I + r, j] = T.if_then_else(j < BS * I + r, beta_s[BS * I + r] * a, T.float32(0))
+                else:
+                    for r, j in T.Parallel(BS, C):
+                        L_s[BS * I + r, j] = T.if_then_else(
+                            j < BS * I + r, beta_s[BS * I + r] * akk_f[r, j], T.float32(0))
 
             # ---- Tinv = (I + L)^-1 in fp32 (same blocked solve as the forward) ----
             solve(L_s, Ti_s, Td_s, tmp_s)
@@ -434,23 +471,24 @@ def _intra_summary_func(H, K, V, chunk_size, dtype, accum_dtype, threads):
 
 @functools.lru_cache(maxsize=None)
 def build_intra_summary_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *,
-                               block_k=None, block_v=None, threads=128, num_stages=1):
+                               block_k=None, block_v=None, threads=128, num_stages=1, general=False):
     """Compile the fp32-accurate chunk-local kernel used by the summary pass (T dynamic).
 
     Same math as :func:`build_intra_kernel` without the Q terms; every GEMM is 3xTF32 and the
     outputs are fp32: kernel(k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32, table[NC,2] i32,
     W[NC,H,C,K] f32, U[NC,H,C,V] f32, KdT[NC,H,K,C] f32, eC[NC,H,K] f32). threads: a multiple of
-    K and 16 times a divisor of 16 (ValueError otherwise).
+    K and 16 times a divisor of 16 (ValueError otherwise). general: any g <= 0, as
+    :func:`build_intra_kernel`'s.
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
-    func = _intra_summary_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads)
+    func = _intra_summary_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, threads, bool(general))
     return compile_kernel(func, name="kda_intra_summary")
 
 
-def _decay_func(H, K, C, dtype, f32, scale):
-    load_cumsum = _load_cumsum_macro(C, K, K)  # the kernel's K threads
+def _decay_func(H, K, C, dtype, f32, scale, general=False):
+    load_cumsum = _load_cumsum_macro(C, K, K, general)  # the kernel's K threads
     LOG2E = 1.4426950408889634
     Hn = T.dynamic("H") if H is None else H
     TT = T.dynamic("TT")
@@ -482,7 +520,7 @@ def _decay_func(H, K, C, dtype, f32, scale):
 
 
 @functools.lru_cache(maxsize=None)
-def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale):
+def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale, general=False):
     """Compile the decayed-q/k kernel: Qg and Kd of :func:`build_intra_kernel` alone (T dynamic).
 
     The backward's state walks need Qg = scale * q * exp(gamma) and Kd = k * exp(gamma_last -
@@ -490,20 +528,21 @@ def build_decay_kernel(H, K, chunk_size, dtype, accum_dtype="float32", *, scale)
     this kernel remakes from q, k, g (a gate cumsum and elementwise work, no GEMM), bitwise equal
     to the chunk-local kernel's.
 
-    Args: as :func:`build_intra_kernel` (H None: runtime heads). Returns kernel(q[TT,H,K],
+    Args: as :func:`build_intra_kernel` (H None: runtime heads; general: its gate floor). Returns kernel(q[TT,H,K],
     k[TT,H,K], g[TT,H,K] f32, table[NC,2] i32, Qg[NC,H,C,K], Kd[NC,H,C,K]); the last two are
     written (rows past a sequence end as zeros).
     """
     if chunk_size % SUB or accum_dtype != "float32":
         raise ValueError(f"chunk_size must be a multiple of {SUB} and accum_dtype float32, got "
                          f"{chunk_size}, {accum_dtype}")
-    func = _decay_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale))
+    func = _decay_func(H, K, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), bool(general))
     return compile_kernel(func, name="kda_decay_fwd", fast_math=True)
 
 
 @functools.lru_cache(maxsize=None)
 def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, scale,
-                       block_k=None, block_v=None, threads=256, num_stages=1, gate_min=None, beta_scale=None):
+                       block_k=None, block_v=None, threads=256, num_stages=1, gate_min=None, beta_scale=None,
+                       general=False):
     """Compile the chunk-local kernel for one static configuration (T is dynamic).
 
     Args:
@@ -523,6 +562,8 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
             (z + dt_bias)) as it loads (fp32 g is never written).
         beta_scale: None (beta is beta), or with gate_min: beta holds the pre-activation and the
             kernel uses beta_scale * sigmoid(beta) (1, or 2 for negative eigenvalues).
+        general: the general gate, any g <= 0 (no declared bound; not with gate_min): each step
+            floored at GENERAL_FLOOR, the own sub-chunk blocks summed pairwise.
     Returns:
         a compiled kernel taking (q[TT,H,K], k[TT,H,K], v[TT,H,V], g[TT,H,K] f32, beta[TT,H] f32,
         [A_log[H], dt_bias[H,K] when gated,] table[NC,2] i32, W[NC,H,C,K], U[NC,H,C,V],
@@ -539,7 +580,9 @@ def build_intra_kernel(H, K, V, chunk_size, dtype, accum_dtype="float32", *, sca
         raise ValueError(f"gate_min must lie in [-5, 0), got {gate_min}")
     if gate_min is not None and tl_dtype(dtype) != "bfloat16":
         raise ValueError(f"the gate inside the kernel is built for bf16 inputs, got {dtype}")
+    if general and gate_min is not None:
+        raise ValueError("general (any g <= 0) and gate_min (the bounded gate inside the kernel) exclude each other")
     func = _intra_func(H, K, V, chunk_size, tl_dtype(dtype), accum_dtype, float(scale), threads,
                        None if gate_min is None else float(gate_min),
-                       None if beta_scale is None else float(beta_scale))
+                       None if beta_scale is None else float(beta_scale), bool(general))
     return compile_kernel(func, name="kda_intra_fwd", fast_math=True)

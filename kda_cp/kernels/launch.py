@@ -123,8 +123,11 @@ def validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, aligned=Tru
                          f"(q {tuple(q.shape)}, v {tuple(v.shape)})")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
-    if not (-5.0 <= g_min < 0.0):
-        raise ValueError(f"g_min must lie in [-5, 0), got {g_min}")
+    if g_min is None:
+        if gate is not None:
+            raise ValueError("the gate inside the kernel is the bounded one: pass its g_min in [-5, 0)")
+    elif not (-5.0 <= g_min < 0.0):
+        raise ValueError(f"g_min must lie in [-5, 0) or be None (any g <= 0), got {g_min}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1, got q {tuple(q.shape)}")
@@ -153,7 +156,7 @@ def tl_name(dtype):
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, chunk_size: int = 64, g_min: float = -5.0, prepared=None, gate=None):
+                  cu_seqlens=None, chunk_size: int = 64, g_min: float | None = -5.0, prepared=None, gate=None):
     """KDA forward with the TileLang chunk kernels.
 
     Math: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
@@ -170,7 +173,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
             each packed sequence starts from its own initial_state row. Read on the host (a
             sync), except for kda_cp's own copy (``_common.device_offsets``, what chunk_kda passes).
         chunk_size: 64 (the only tuned value). g_min: the declared gate bound in [-5, 0); the
-            kernels rely on g >= -5 (16-token sub-chunks), they do not check it.
+            kernels rely on g >= -5 (16-token sub-chunks), they do not check it. None: the
+            general-gate kernels, any g <= 0 (each step floored at GENERAL_FLOOR, the own
+            sub-chunk blocks of the decayed products summed pairwise; slower).
         prepared: :func:`chunk_kda_fwd_prepare`'s result for these inputs (then only the state pass
             runs), or None.
         gate: a :class:`KernelGate`: g (and beta, with its beta_scale) are pre-activations that
@@ -203,7 +208,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
         W, U, Qg, Kd, Aqk, Ec, tables = _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min, gate)
     else:
         W, U, Qg, Kd, Aqk, Ec, tables = prepared_tensors(prepared, "chunk_kda_fwd", q, k, v, g, beta, scale,
-                                                          chunk_size, cu_seqlens)
+                                                          chunk_size, cu_seqlens, general=g_min is None)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     block_v, threads = state_launch(torch.cuda.get_device_properties(dev).multi_processor_count, N, H, V)
@@ -215,28 +220,30 @@ def chunk_kda_fwd(q, k, v, g, beta, *, scale: float, initial_state=None, output_
     return o, ht
 
 
-def _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens):
+def _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens, general=False):
     """What a PreparedForward was computed from: the very tensors (storage and version), their
-    shapes and dtype, the scale, chunk size and packed-sequence offsets."""
+    shapes and dtype, the scale, chunk size, packed-sequence offsets and gate kernels (general)."""
     tensors = tuple((x.data_ptr(), x._version) for x in (q, k, v, g, beta))
     cu = None if cu_seqlens is None else host_offsets(cu_seqlens)
-    return (tensors, tuple(q.shape), tuple(v.shape), q.dtype, str(q.device), float(scale), chunk_size, cu)
+    return (tensors, tuple(q.shape), tuple(v.shape), q.dtype, str(q.device), float(scale), chunk_size, cu,
+            bool(general))
 
 
-def prepared_tensors(prepared, who, q, k, v, g, beta, scale, chunk_size, cu_seqlens, consume=False):
-    """The tensors of ``prepared`` after checking it was made for exactly these inputs."""
-    key = _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens)
+def prepared_tensors(prepared, who, q, k, v, g, beta, scale, chunk_size, cu_seqlens, consume=False, general=False):
+    """The tensors of ``prepared`` after checking it was made for exactly these inputs (and the
+    same gate kernels: ``general`` for g_min=None)."""
+    key = _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens, general)
     if prepared.tensors is None:
         raise ValueError(f"{who}: `prepared` was already consumed by chunk_kda_bwd")
     if prepared.key != key:
         raise ValueError(f"{who}: `prepared` was made for other inputs (tensors, shapes, dtype, scale, "
-                         f"chunk size or cu_seqlens): {prepared.key} vs {key}")
+                         f"chunk size, cu_seqlens or g_min): {prepared.key} vs {key}")
     W, U, Qg, Kd, Aqk, Ec, tables = prepared.tensors
     if Qg is None:  # kept by the forward for the backward (keep_for_backward): remake Qg, Kd
         from .intra import build_decay_kernel
         B, T, H, K = q.shape
         Qg, Kd = torch.empty_like(W), torch.empty_like(W)
-        build_decay_kernel(None, K, chunk_size, tl_name(q.dtype), scale=float(scale))(
+        build_decay_kernel(None, K, chunk_size, tl_name(q.dtype), scale=float(scale), general=general)(
             q.view(B * T, H, K), k.view(B * T, H, K), g.view(B * T, H, K), tables.chunk_table, Qg, Kd)
         prepared.tensors = (W, U, Qg, Kd, Aqk, Ec, tables)
     tensors = prepared.tensors
@@ -272,8 +279,8 @@ def keep_for_backward(prepared: PreparedForward) -> tuple:
     return W, U, Aqk, Ec
 
 
-def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, chunk_size: int = 64
-                     ) -> PreparedForward:
+def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
+                     g_min: float | None = -5.0) -> PreparedForward:
     """A :class:`PreparedForward` for the backward from :func:`keep_for_backward`'s tensors and the
     forward's inputs as autograd hands them back (they may be other tensors than the forward's,
     e.g. after activation checkpointing or offloading; the key is taken from these). Qg and Kd are
@@ -285,11 +292,11 @@ def restore_prepared(q, k, v, g, beta, kept, *, scale: float, cu_seqlens=None, c
         raise ValueError(f"restore_prepared: kept tensors for {W.shape[0]} chunks, the inputs have "
                          f"{tables.num_chunks}")
     return PreparedForward((W, U, None, None, Aqk, Ec, tables),
-                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
+                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens, g_min is None))
 
 
 def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, chunk_size: int = 64,
-                          g_min: float = -5.0, gate=None) -> PreparedForward:
+                          g_min: float | None = -5.0, gate=None) -> PreparedForward:
     """The chunk-local kernel alone (gate cumsum, decayed products, UT transform: docs/design.md §2):
     everything of the forward that does not depend on the incoming state. Context parallelism runs
     it once per shard and derives the shard's (M, S~) from it (:func:`chunk_kda_summary_prepared`);
@@ -297,7 +304,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, *, scale: float, cu_seqlens=None, ch
     """
     validate_inputs(q, k, v, g, beta, cu_seqlens, chunk_size, g_min, gate=gate)
     return PreparedForward(_launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min, gate),
-                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens))
+                           _prepared_key(q, k, v, g, beta, scale, chunk_size, cu_seqlens, g_min is None))
 
 
 def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min=-5.0, gate=None):
@@ -318,7 +325,7 @@ def _launch_intra(q, k, v, g, beta, scale, cu_seqlens, chunk_size, g_min=-5.0, g
     Aqk = torch.empty(NC, H, C, C, device=dev, dtype=q.dtype)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     if gate is None:
-        build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale))(
+        build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale), general=g_min is None)(
             qf, kf, vf, gf, bf, tables.chunk_table, W, U, Qg, Kd, Aqk, Ec)
     else:
         build_intra_kernel(None, K, V, C, tl_name(q.dtype), scale=float(scale), gate_min=float(g_min),
@@ -415,7 +422,7 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
     return summary_run(W, U, Kd, Ec, seq, tables.num_chunks)
 
 
-def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.0):
+def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = -5.0):
     """The segment's affine map (docs/design.md §3) in one fp32-accurate state pass.
 
     Math: for each batch element b and head h, with M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)):
@@ -427,7 +434,8 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
         k: [B, T, H, K] bf16/fp16; v: [B, T, H, V] same dtype; g: [B, T, H, K] fp32 log decay per
             step in [g_min, 0]; beta: [B, T, H] fp32 or k's dtype. All contiguous. No q: the
             summary does not depend on it. No cu_seqlens: each batch row is one segment.
-        chunk_size: 64. g_min: declared gate bound in [-5, 0).
+        chunk_size: 64. g_min: declared gate bound in [-5, 0), or None for any g <= 0 (the
+            general-gate chunk-local kernel, as :func:`chunk_kda_fwd`).
     Returns:
         (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
     Raises:
@@ -452,5 +460,6 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float = -5.
     U = torch.empty(NC, H, C, V, device=dev, dtype=torch.float32)
     KdT = torch.empty(NC, H, K, C, device=dev, dtype=torch.float32)
     Ec = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    build_intra_summary_kernel(None, K, V, C, dt)(kf, vf, gf, bf, tables.chunk_table, W, U, KdT, Ec)
+    build_intra_summary_kernel(None, K, V, C, dt, general=g_min is None)(kf, vf, gf, bf, tables.chunk_table, W, U,
+                                                                         KdT, Ec)
     return summary_run(W, U, KdT, Ec, tables.seq_table, NC)

@@ -161,3 +161,18 @@ def test_packed_offsets_made_by_kda_cp_are_not_read_back():
         inf = device_offsets((0, 2, 7), "cpu")
         assert host_offsets(inf) == (0, 2, 7) and host_offsets(torch.tensor([0, 7])) == (0, 7)
     assert not device_offsets((0, 2, 7), "cpu").is_inference()  # not the inference-mode copy
+
+
+def test_general_gate_floor_and_options():
+    """The general-gate kernels' step floor is the torch backend's fp32 decay floor, and g_min=None
+    (any g <= 0) is refused with the gate inside the kernel, which is the bounded form."""
+    from kda_cp.kernels._common import GENERAL_FLOOR
+    from kda_cp.kernels.launch import KernelGate, validate_inputs
+    from kda_cp.reference import decay_floor
+
+    assert abs(GENERAL_FLOOR - decay_floor(torch.float32)) < 1e-7
+    q, k, v, g, beta = _inputs()
+    assert validate_inputs(q, k, v, g, beta, None, 64, None) == (1, 64, 2, 128, 128)
+    gate = KernelGate(torch.zeros(2), torch.zeros(2, 128), None)
+    with pytest.raises(ValueError, match="g_min"):
+        validate_inputs(q, k, v, g.bfloat16(), beta, None, 64, None, gate=gate)

@@ -94,6 +94,26 @@ def test_bwd_dk_orders_async_mmas_and_table_stores(K, dtype):
         assert_async_mma_order(events)
 
 
+def test_general_gate_bwd_kernels_compile():
+    """g_min=None's "ut" and "dk": the gate scan floors each step (GENERAL_FLOOR), the sub-chunk
+    loops stay loops, "dk" keeps two blocks per SM and the order of its asynchronous MMAs and table
+    stores (the pairwise own blocks add CUDA-core work after each loop, no MMA)."""
+    floor = "/*-3.594239e+01*/"
+    ut = build_bwd_ut_kernel(None, 128, 128, 64, "bfloat16", general=True).get_kernel_source()
+    dk = build_bwd_dk_kernel(None, 128, 64, "bfloat16", scale=128 ** -0.5, general=True).get_kernel_source()
+    for src in (ut, dk):
+        assert src.count(floor) == 1
+        assert loop_headers(src, "I", 4)
+        assert not NEGATIVE_GAM_OFFSET.search(src)
+    assert "pw_s" in ut
+    assert "__launch_bounds__(256, 2)" in dk and "wgmma_ss" in dk and "mma_sync" not in dk
+    (row_loop,), (col_loop,) = loop_headers(dk, "J", 4), loop_headers(dk, "I", 4)
+    for loop in (row_loop, col_loop):
+        events = async_mma_events(dk, loop)
+        assert sum(e[0] == "issue" for e in events) == 4 and sum(e[0] == "wait" for e in events) == 1, events
+        assert_async_mma_order(events)
+
+
 def test_factory_rejects_bad_config():
     with pytest.raises(ValueError):
         build_bwd_state_kernel(None, 64, 48, 64, "bfloat16", walk="reverse")  # V % block_v

@@ -57,7 +57,7 @@ def _shared_bytes(src):
     sizes = {"gam_s": C * K * f4, "k_s": C * K * bf, "q_s": C * K * bf, "beta_s": C * f4, "kqp_s": 32 * K * bf,
              "km_s": C * K * bf, "L_s": C * (C + 8) * f4, "Ti_s": C * C * f4, "Td_s": 4 * 16 * 16 * f4,
              "tmp_s": 16 * C * f4, "Ti_c": C * C * bf, "vb_s": C * K * bf, "wo_s": C * K * bf, "uo_s": C * K * bf,
-             "part_s": 4 * K * f4}
+             "part_s": 4 * K * f4, "pw_s": 32 * 16 * f4}
     offs = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)
     assert offs and {n for n, _ in offs} <= set(sizes), [n for n, _ in offs if n not in sizes]
     return max(int(o) + sizes[n] for n, o in offs)
@@ -81,6 +81,28 @@ def test_intra_with_the_gate_inside_compiles():
         build_intra_kernel(None, 128, 128, 64, "float16", scale=scale, gate_min=-5.0)
     with pytest.raises(ValueError, match="beta_scale"):
         build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, beta_scale=1.0)
+
+
+FLOOR = "/*-3.594239e+01*/"  # GENERAL_FLOOR as TileLang prints it
+
+
+def test_general_gate_kernels_compile():
+    """g_min=None (any g <= 0): the chunk-local, summary and decayed-q/k kernels floor each step at
+    GENERAL_FLOOR in the scan (the decay kernel as the chunk-local one, so their Qg, Kd stay bitwise
+    equal), sum the own sub-chunk blocks pairwise, and the chunk-local kernel keeps its two blocks
+    per SM (at most 113 KiB of shared memory) and its MMAs. The bounded kernels carry no floor."""
+    scale = 128 ** -0.5
+    fwd = build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, general=True).get_kernel_source()
+    assert fwd.count(FLOOR) == 1 and "pw_s" in fwd
+    assert fwd.count("tl::mma_sync<") == 3 and "wgmma" in fwd
+    assert _shared_bytes(fwd) <= 113 * 1024, _shared_bytes(fwd)
+    assert not NEGATIVE_GAM_OFFSET.search(fwd)
+    for src in (build_intra_summary_kernel(None, 128, 128, 64, "bfloat16", general=True).get_kernel_source(),
+                build_decay_kernel(None, 128, 64, "bfloat16", scale=scale, general=True).get_kernel_source()):
+        assert src.count(FLOOR) == 1
+    assert FLOOR not in build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale).get_kernel_source()
+    with pytest.raises(ValueError, match="general"):
+        build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, gate_min=-5.0, general=True)
 
 
 @pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
