@@ -260,31 +260,46 @@ def pairwise_macro(K: int, with_q: bool):
         out_s[16 + r, j] = sum_d q_i[d] k_j[d] exp(min(gamma_i[d] - gamma_j[d], 0))   (with_q)
 
     i = 16 I + r, j' = 16 I + j, every (r, j) written (fp32); the caller keeps j < r (K K^T) or
-    j <= r (Q K^T), where the min is a no-op. One thread per (r, j), each walking the K channels
-    from its own offset 2 j, so that the 16 columns' reads of gam_s (fp32) and k_s (16-bit) fall
-    in 16 different banks. gam_s [C, >= K] fp32; k_s, q_s [C, >= K] any float dtype; q_s unused
-    without with_q.
+    j <= r (Q K^T), where the min is a no-op. The block's rows (gamma, k, q) are read once into
+    registers; then per column j, every thread forms the terms of its (row, channel) elements (a
+    vector load of gamma_j and k_j, broadcast over rows) and a warp reduction over the channels
+    gives column j of every row. gam_s [C, >= K] fp32; k_s, q_s [C, >= K] any float dtype; q_s
+    unused without with_q.
     """
     import tilelang.language as T
 
     LOG2E = 1.4426950408889634
+    f32 = "float32"
 
     @T.macro
     def pairwise(I, gam_s, k_s, q_s, out_s):
-        for r, j in T.Parallel(SUB, SUB):
-            acc = T.alloc_local([2], "float32")
-            acc[0] = T.float32(0)
-            acc[1] = T.float32(0)
-            for d0 in T.serial(K):
-                d = (d0 + 2 * j) % K
-                e = T.exp2(T.min(gam_s[SUB * I + r, d] - gam_s[SUB * I + j, d], T.float32(0)) * LOG2E)
-                kj = T.cast(k_s[SUB * I + j, d], "float32") * e
-                acc[0] = acc[0] + T.cast(k_s[SUB * I + r, d], "float32") * kj
-                if with_q:
-                    acc[1] = acc[1] + T.cast(q_s[SUB * I + r, d], "float32") * kj
-            out_s[r, j] = acc[0]
+        gi = T.alloc_fragment([SUB, K], f32)
+        ki = T.alloc_fragment([SUB, K], f32)
+        pk = T.alloc_fragment([SUB, K], f32)
+        sk = T.alloc_fragment([SUB], f32)
+        if with_q:
+            qi = T.alloc_fragment([SUB, K], f32)
+            pq = T.alloc_fragment([SUB, K], f32)
+            sq = T.alloc_fragment([SUB], f32)
+        for r, d in T.Parallel(SUB, K):
+            gi[r, d] = gam_s[SUB * I + r, d]
+            ki[r, d] = T.cast(k_s[SUB * I + r, d], f32)
             if with_q:
-                out_s[SUB + r, j] = acc[1]
+                qi[r, d] = T.cast(q_s[SUB * I + r, d], f32)
+        for j in T.serial(SUB):
+            for r, d in T.Parallel(SUB, K):
+                t = T.cast(k_s[SUB * I + j, d], f32) * T.exp2(
+                    T.min(gi[r, d] - gam_s[SUB * I + j, d], T.float32(0)) * LOG2E)
+                pk[r, d] = ki[r, d] * t
+                if with_q:
+                    pq[r, d] = qi[r, d] * t
+            T.reduce_sum(pk, sk, dim=1)
+            if with_q:
+                T.reduce_sum(pq, sq, dim=1)
+            for r in T.Parallel(SUB):
+                out_s[r, j] = sk[r]
+                if with_q:
+                    out_s[SUB + r, j] = sq[r]
 
     return pairwise
 

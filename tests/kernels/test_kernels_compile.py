@@ -94,6 +94,9 @@ def test_general_gate_kernels_compile():
     scale = 128 ** -0.5
     fwd = build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, general=True).get_kernel_source()
     assert fwd.count(FLOOR) == 1 and "pw_s" in fwd
+    # the own blocks' sums over the channels are warp reductions (no shared-memory workspace)
+    reduces = re.findall(r"AllReduce<tl::SumOp, (\d+), (\d+)", fwd)
+    assert reduces and all(int(n) <= 32 and s == "1" for n, s in reduces), reduces
     assert fwd.count("tl::mma_sync<") == 3 and "wgmma" in fwd
     assert _shared_bytes(fwd) <= 113 * 1024, _shared_bytes(fwd)
     assert not NEGATIVE_GAM_OFFSET.search(fwd)
