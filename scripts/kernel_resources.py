@@ -51,7 +51,7 @@ def resources(src: str) -> dict:
 def kernels(K: int, dtype: str):
     from kda_cp.kernels.bwd_intra import build_bwd_dk_kernel, build_bwd_dv_kernel, build_bwd_ut_kernel
     from kda_cp.kernels.bwd_state import build_bwd_state_kernel
-    from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel
+    from kda_cp.kernels.intra import build_decay_kernel, build_intra_kernel, build_intra_summary_kernel
     from kda_cp.kernels._common import STATE_LAUNCHES
     from kda_cp.kernels.state import build_state_output_kernel, build_summary_kernel
 
@@ -67,6 +67,12 @@ def kernels(K: int, dtype: str):
     yield "dv", lambda: build_bwd_dv_kernel(None, K, K, 64, dtype)
     yield "ut", lambda: build_bwd_ut_kernel(None, K, K, 64, dtype)
     yield "dk", lambda: build_bwd_dk_kernel(None, K, 64, dtype, scale=scale)
+    # the general gate (g_min=None, any g <= 0)
+    yield "general intra", lambda: build_intra_kernel(None, K, K, 64, dtype, scale=scale, general=True)
+    yield "general summary intra", lambda: build_intra_summary_kernel(None, K, K, 64, dtype, general=True)
+    yield "general decay", lambda: build_decay_kernel(None, K, 64, dtype, scale=scale, general=True)
+    yield "general ut", lambda: build_bwd_ut_kernel(None, K, K, 64, dtype, general=True)
+    yield "general dk", lambda: build_bwd_dk_kernel(None, K, 64, dtype, scale=scale, general=True)
 
 
 def main():

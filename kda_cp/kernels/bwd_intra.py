@@ -254,8 +254,9 @@ def _bwd_ut_func(H, K, V, C, dtype, f32, threads, general=False):
                         T.cast(k_s[BS * I + r, d], f32) * T.exp2((gam_s[BS * I + r, d] - ref) * LOG2E), op)
                 for j, d in T.Parallel(C, K):
                     if j < BS * (I + OWN):  # a branch, not a select: no exponentials for the zero rows
+                        x = sub_chunk_ref(gam_s, I, d) - gam_s[j, d]
                         km_s[j, d] = T.cast(T.cast(k_s[j, d], f32)
-                                            * T.exp2((sub_chunk_ref(gam_s, I, d) - gam_s[j, d]) * LOG2E), op)
+                                            * T.exp2((T.min(x, T.float32(0)) if general else x) * LOG2E), op)
                     else:
                         km_s[j, d] = T.cast(0, op)
                 T.gemm(kp_s, km_s, bk_f, transpose_B=True, clear_accum=True)

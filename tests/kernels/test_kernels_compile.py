@@ -106,6 +106,8 @@ def test_general_gate_kernels_compile():
     assert FLOOR not in build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale).get_kernel_source()
     with pytest.raises(ValueError, match="general"):
         build_intra_kernel(None, 128, 128, 64, "bfloat16", scale=scale, gate_min=-5.0, general=True)
+    small = build_intra_kernel(None, 64, 64, 64, "float16", scale=0.125, general=True).get_kernel_source()
+    assert small.count(FLOOR) == 1 and "pw_s" in small  # K = 64, fp16: 16-lane reductions
 
 
 @pytest.mark.parametrize("K,dtype", [(128, "bfloat16"), (64, "float16")])
