@@ -259,8 +259,8 @@ def pairwise_macro(K: int, with_q: bool):
         out_s[r, j]      = sum_d k_i[d] k_j[d] exp(min(gamma_i[d] - gamma_j[d], 0))
         out_s[16 + r, j] = sum_d q_i[d] k_j[d] exp(min(gamma_i[d] - gamma_j[d], 0))   (with_q)
 
-    i = 16 I + r, j' = 16 I + j, every (r, j) written (fp32); the caller keeps j < r (K K^T) or
-    j <= r (Q K^T), where the min is a no-op. The block's rows (gamma, k, q) are read once into
+    i = 16 I + r, j' = 16 I + j, for j <= r (the min is then a no-op), and 0 for j > r; every
+    (r, j) is written (fp32). The caller keeps j < r (K K^T) or j <= r (Q K^T). The block's rows (gamma, k, q) are read once into
     registers; then per column j, every thread forms the terms of its (row, channel) elements (a
     vector load of gamma_j and k_j, broadcast over rows) and a warp reduction over the channels
     gives column j of every row. gam_s [C, >= K] fp32; k_s, q_s [C, >= K] any float dtype; q_s
@@ -288,11 +288,18 @@ def pairwise_macro(K: int, with_q: bool):
                 qi[r, d] = T.cast(q_s[SUB * I + r, d], f32)
         for j in T.serial(SUB):
             for r, d in T.Parallel(SUB, K):
-                t = T.cast(k_s[SUB * I + j, d], f32) * T.exp2(
-                    T.min(gi[r, d] - gam_s[SUB * I + j, d], T.float32(0)) * LOG2E)
-                pk[r, d] = ki[r, d] * t
-                if with_q:
-                    pq[r, d] = qi[r, d] * t
+                # a branch, not a select: where a warp's row lies before column j (the pairs that
+                # the caller drops) the warp skips the exponentials
+                if j <= r:
+                    t = T.cast(k_s[SUB * I + j, d], f32) * T.exp2(
+                        T.min(gi[r, d] - gam_s[SUB * I + j, d], T.float32(0)) * LOG2E)
+                    pk[r, d] = ki[r, d] * t
+                    if with_q:
+                        pq[r, d] = qi[r, d] * t
+                else:
+                    pk[r, d] = T.float32(0)
+                    if with_q:
+                        pq[r, d] = T.float32(0)
             T.reduce_sum(pk, sk, dim=1)
             if with_q:
                 T.reduce_sum(pq, sq, dim=1)
