@@ -26,6 +26,7 @@ from tests.kernels.test_kernels_gpu import FWD_TOL, SUMMARY_TOL, _summary_oracle
 
 def softplus_gates(B, T, H, K):
     a = torch.empty(H, 1, device="cuda").uniform_(1, 16)
+    a[0] = 16.0  # the top of A_log's init range on one head: steps below -20 in every case
     bias = torch.stack([torch.linspace(-6.0, 6.0, K, device="cuda")[torch.randperm(K, device="cuda")]
                         for _ in range(H)])
     g = -a * torch.nn.functional.softplus(torch.randn(B, T, H, K, device="cuda") + bias)
@@ -132,8 +133,8 @@ def test_general_summary_matches_fp64(B, T, H, K):
 
 
 def test_general_kernels_on_bounded_gates_match_the_bounded_kernels():
-    """On gates inside [-5, 0] both kernel families compute the same sums (pairwise or anchored own
-    blocks): o and every gradient agree far inside the tolerances against fp64."""
+    """On gates inside [-5, 0] both kernel families compute the same sums (the own blocks pairwise
+    in fp32 or anchored in bf16): o and every gradient agree within the kernels' tolerances."""
     B, T, H, K = 1, 2000, 4, 128
     q, k, v, _, beta, do, h0, dht = make(B, T, H, K, B)
     g = (-5 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))).contiguous()
@@ -141,8 +142,8 @@ def test_general_kernels_on_bounded_gates_match_the_bounded_kernels():
     a = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
     b = kernels.chunk_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, g_min=None)
     for name, x, y in zip(("o", "final_state"), a, b):
-        assert_close(name, x.double(), y, 2e-3)
+        assert_close(name, x.double(), y, FWD_TOL)
     ga = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht)
     gb = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht, g_min=None)
     for name, x, y in zip(NAMES, ga, gb):
-        assert_close(name, x.double(), y, TOL[name] / 2)
+        assert_close(name, x.double(), y, TOL[name])
