@@ -55,6 +55,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.cp must be an int >= 1, got {self.cp}")
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s must be > 0 (seconds), got {self.timeout_s}")
+        if self.threads_per_rank is not None and (isinstance(self.threads_per_rank, bool) or self.threads_per_rank < 1):
+            raise ValueError(f"parallel.threads_per_rank must be >= 1, or null for cpu_count // processes, got "
+                             f"{self.threads_per_rank}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.strategy not in CP_STRATEGIES:
@@ -92,7 +95,7 @@ class OptimConfig:
             ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
             ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),
-            ("eps", self.eps > 0, "> 0"),
+            ("eps", self.eps > 0 and math.isfinite(self.eps), "> 0 and finite"),
             ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables)"),
         ):
             if not ok:
@@ -141,6 +144,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.peak_tflops must be > 0, got {self.peak_tflops}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        for name in ("run_dir", "runs_root"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ValueError(f"trainer.{name} must not be empty (it would mean the current directory); "
+                                 + ("omit it for an automatic name" if name == "run_dir" else "the default is 'runs'"))
 
 
 @dataclass

@@ -35,6 +35,7 @@ DeepSpeed: ``engine.save_checkpoint``'s per-rank files, ZeRO-partitioned optimiz
 from __future__ import annotations
 
 import abc
+import math
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from kda_cp.train.config import DeepSpeedConfig
 from kda_cp.train.distributed import Layout, ParallelDims
+from kda_cp.train.optim import sync_lr
 
 __all__ = ["Engine", "TorchEngine", "DeepSpeedEngine", "MeshMPU", "build_ds_config", "build_engine"]
 
@@ -131,12 +133,15 @@ class TorchEngine(Engine):
         return _sync_grads_and_loss(self.params, loss_sum, self.layout)
 
     def step(self) -> float:
+        """The norm is that of the all-reduced gradients, the same on every rank; a non-finite one
+        (NaN or Inf gradients) skips the update, so the weights stay those before the step."""
         if self.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         else:
             norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params])))
-        self.optimizer.step()
-        self.scheduler.step()
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -159,6 +164,7 @@ class TorchEngine(Engine):
         self.module.load_state_dict(state.pop("model"))
         self.optimizer.load_state_dict(state.pop("optim"))
         self.scheduler.load_state_dict(state.pop("scheduler"))
+        sync_lr(self.optimizer, self.scheduler)
         return state
 
 
@@ -279,10 +285,11 @@ class DeepSpeedEngine(Engine):
             dist.all_reduce(total)
         return float(total)
 
-    def step(self) -> float:
+    def step(self) -> float | None:
+        """DeepSpeed's global gradient norm of the step, None where it reports none."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return float(norm) if norm is not None else None
 
     @property
     def lr(self) -> float:
@@ -299,6 +306,7 @@ class DeepSpeedEngine(Engine):
         )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
+        sync_lr(self.engine.optimizer, self.engine.lr_scheduler)
         return client_state
 
 

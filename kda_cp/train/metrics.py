@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 from pathlib import Path
 
@@ -39,32 +40,37 @@ class MetricsLog:
 
 
 def continue_metrics(path: Path, step: int) -> list[dict]:
-    """Keep metrics.jsonl's records up to ``step`` and cut the file after them, so that it goes on
-    by appending. A torn last line (a crash mid-write) and the records past ``step`` (steps run
-    after the checkpoint) are dropped, with a warning for the torn line. Returns the kept records."""
+    """Keep metrics.jsonl's records up to ``step`` and drop the rest, so that the file goes on by
+    appending: the records past ``step`` (steps run after the checkpoint) and any unreadable line
+    (a last line torn by a crash, or a damaged one; each dropped with a warning, the readable
+    records around it kept). The file is rewritten atomically when anything is dropped. Returns
+    the kept records."""
     if not path.is_file():
         return []
     data = path.read_bytes()
-    kept, end, pos = [], 0, 0
-    for raw in data.splitlines(keepends=True):
+    lines = data.splitlines(keepends=True)
+    kept, out, pos = [], [], 0
+    for n, raw in enumerate(lines):
         if raw.strip():
             try:
                 rec = json.loads(raw)
                 rec_step = int(rec["step"])
             except (ValueError, KeyError, TypeError):
-                logger.warning("%s: dropping an unreadable line at byte %d and what follows (torn by a crash): %r",
-                               path, pos, raw[:80])
-                break
+                torn = not any(x.strip() for x in lines[n + 1 :])
+                logger.warning("%s: dropping an unreadable line at byte %d (%s): %r", path, pos,
+                               "torn by a crash" if torn else "damaged", raw[:80])
+                pos += len(raw)
+                continue
             if rec_step > step:
                 break
             kept.append(rec)
+            out.append(raw if raw.endswith(b"\n") else raw + b"\n")  # a last record that lost its newline
         pos += len(raw)
-        end = pos
-    with open(path, "r+b") as fh:
-        fh.truncate(end)
-        if end and not data[:end].endswith(b"\n"):  # a complete last record that lost its newline
-            fh.seek(end)
-            fh.write(b"\n")
+    new = b"".join(out)
+    if new != data:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(new)
+        os.replace(tmp, path)
     return kept
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kda_cp.train.config import OptimConfig
 
-__all__ = ["lr_lambda", "build_optimizer", "build_scheduler"]
+__all__ = ["lr_lambda", "build_optimizer", "build_scheduler", "sync_lr"]
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):
@@ -35,3 +35,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
     """The LambdaLR of :func:`lr_lambda` over ``max_steps`` steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))
+
+
+def sync_lr(optimizer, scheduler) -> None:
+    """After loading a checkpoint: set every group's lr from this run's schedule at the loaded step.
+
+    The optimizer's state restores the lr it last used, from the checkpoint's schedule; a resume
+    that changed trainer.max_steps has a different cosine, which must apply from the resumed step
+    on (LambdaLR's own state keeps the step count and base lrs, not the lambdas)."""
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

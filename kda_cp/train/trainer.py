@@ -8,11 +8,14 @@ over all ranks. So the CP degree changes the speed, not the numbers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import socket
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -64,18 +67,85 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+#: Files a run writes at the top of its run directory (a fresh run refuses a directory holding any).
+RUN_FILES = ("config.yaml", "summary.json", "loss.png")
+
+
+class RunDirLock:
+    """``<run_dir>/.lock``: held by the main rank of the run that writes the directory, so that a
+    second run (two fresh runs given one trainer.run_dir, or a resume while the run still goes)
+    is refused instead of interleaving checkpoints and metrics. Made with O_EXCL (atomic); holds
+    the holder's pid and host. A lock whose holder is gone (same host, no such process: the run
+    was killed) is taken over with a warning."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / ".lock"
+        self.held = False
+
+    def _stale(self) -> tuple[bool, str]:
+        try:
+            holder = json.loads(self.path.read_text())
+            pid, host = int(holder["pid"]), str(holder["host"])
+        except (OSError, ValueError, KeyError, TypeError):  # torn by a crash while written, or foreign
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except OSError:
+                return True, "gone"
+            return age > 30, f"unreadable, {age:.0f} s old"
+        who = f"pid {pid} on {host}"
+        if host != socket.gethostname():
+            return False, who
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True, who
+        except PermissionError:  # alive, another user's
+            return False, who
+        return False, who
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns None, or why not (another live run holds it)."""
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                stale, who = self._stale()
+                if not stale:
+                    return (f"trainer.run_dir={self.path.parent} is being written by another run ({who}; lock "
+                            f"{self.path}): wait for it to end, or choose another trainer.run_dir. If no run uses "
+                            f"it, delete {self.path}")
+                logger.warning("taking over %s from a run that is gone (%s)", self.path, who)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+            self.held = True
+            return None
+        return f"could not take the lock {self.path}"
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def corpus_digest(data: np.ndarray) -> dict:
+    """What a checkpoint records of the corpus it was trained on: its size and sha256."""
+    return {"bytes": int(data.size), "sha256": hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()}
+
+
 def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
     """The run directory (chosen on rank 0, broadcast), not yet created: :meth:`Trainer.fit` makes
     it just before the first step, so a run that fails earlier leaves nothing behind. A fresh run
     (trainer.resume=false) refuses a directory that already holds a run's checkpoints or metrics,
-    which it would overwrite.
+    or one of RUN_FILES, which it would overwrite.
 
     Raises:
         ConfigError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
     """
     run_dir, error = cfg.run_dir, ""
     if layout.rank == 0:
-        if run_dir is None:  # unique even when two runs start within the same second
+        if run_dir is None:  # a name not taken now; Trainer.fit claims it atomically (RunDirLock)
             stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
             run_dir, n = stamp, 0
             while Path(run_dir).exists():
@@ -88,6 +158,13 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
             if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
                 error = (f"trainer.run_dir={run_dir} already holds a run (checkpoints or metrics.jsonl) that a fresh "
                          "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
+            elif ckpt_dir.exists() and not ckpt_dir.is_dir():
+                error = f"trainer.run_dir={run_dir}: {ckpt_dir} is a file; checkpoints are written into that directory"
+            else:  # files a fresh run writes: never overwrite what someone else put there
+                taken = [n for n in RUN_FILES if (Path(run_dir) / n).exists()]
+                if taken:
+                    error = (f"trainer.run_dir={run_dir} already holds {', '.join(taken)}, which a fresh run would "
+                             "overwrite: choose a new trainer.run_dir (or trainer.resume=true to continue a run)")
     run_dir, error = broadcast_object((run_dir, error), layout)
     if error:
         raise ConfigError(error)
@@ -132,6 +209,7 @@ class Trainer:
             raise ConfigError(one_line(exc) if "data." in str(exc) else f"data.path={cfg.data.path!r}: {one_line(exc)}") from exc
         self.run_dir = _resolve_run_dir(cfg.trainer, layout)
         self.entropy = unigram_entropy(self.corpus.data)
+        self.data_digest = corpus_digest(self.corpus.data)
         torch.manual_seed(cfg.trainer.seed)
         model = KDALanguageModel(cfg.model).to(layout.device)
         par = cfg.parallel
@@ -179,7 +257,8 @@ class Trainer:
         """Optimizer step ``step`` (0-based) on its global batch; returns its metrics record.
 
         Raises:
-            FloatingPointError: the loss is NaN/Inf (on every rank at the same step).
+            FloatingPointError: the loss or the global gradient norm is NaN/Inf (on every rank at
+                the same step; the message numbers steps from 1, as metrics.jsonl does).
         """
         layout, engine = self.layout, self.engine
         t0 = time.perf_counter()
@@ -188,9 +267,14 @@ class Trainer:
         engine.backward(loss_sum / self.global_tokens)
         loss = engine.reduce(loss_sum) / self.global_tokens
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}")
+            raise FloatingPointError(f"loss is {loss} at step {step + 1}: training stops before this step is "
+                                     "applied or saved; the checkpoints hold earlier steps")
         lr = engine.lr
         grad_norm = engine.step()
+        if grad_norm is not None and not math.isfinite(grad_norm):  # the same on every rank (global norm)
+            raise FloatingPointError(f"gradient norm is {grad_norm} at step {step + 1} (loss {loss:.4g}): training "
+                                     "stops before this step is saved; the checkpoints hold earlier steps (a lower "
+                                     "optim.lr or optim.grad_clip may help)")
         if layout.device.type == "cuda":
             torch.cuda.synchronize(layout.device)
         dt = time.perf_counter() - t0
@@ -212,7 +296,7 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
 
         def write(tmp: Path) -> None:
-            self.engine.save(tmp, {"step": step, "config": asdict(cfg)})
+            self.engine.save(tmp, {"step": step, "config": asdict(cfg), "data": self.data_digest})
             if self.is_main:  # read on resume before the weights, to refuse a changed config
                 (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
             torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
@@ -269,6 +353,12 @@ class Trainer:
             skipped.append(error)
             before = found.step
         why = drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
+        saved_data = client.get("data")  # absent in checkpoints written before it was recorded
+        if not why and saved_data is not None and saved_data != self.data_digest:
+            why = (f"trainer.resume: the corpus differs from the one {found.path} was trained on (data.path="
+                   f"{cfg.data.path!r}: {saved_data['bytes']} bytes, sha256 {saved_data['sha256'][:12]}... then, "
+                   f"{self.data_digest['bytes']} bytes, sha256 {self.data_digest['sha256'][:12]}... now): the same "
+                   "steps would read other batches. Restore the corpus, or start a fresh run")
         if why:
             raise ConfigError(why)
         _set_rng_state(rng, layout.device)
@@ -276,21 +366,89 @@ class Trainer:
             logger.info("resumed from %s at step %d", found.path, int(client["step"]))
         return int(client["step"])
 
+    def _claim_run_dir(self) -> bool:
+        """Collective, before anything is written: rank 0 makes the run directory (an automatic name
+        atomically, moving on to the next free name if another run took it since) and takes its
+        :class:`RunDirLock`; then every rank checks that it can write into the checkpoints
+        directory. Returns whether this call made the run directory (rank 0).
+
+        Raises:
+            ConfigError: on every rank: another live run holds the directory, or it or its
+                checkpoints directory cannot be made or written.
+        """
+        layout, cfg = self.layout, self.cfg
+        self._lock = RunDirLock(self.run_dir)
+        created, error, run_dir = False, None, self.run_dir
+        if self.is_main:
+            try:
+                if cfg.trainer.run_dir is None:  # claimed atomically: two runs started together get two names
+                    base, n = str(run_dir), 0
+                    while True:
+                        try:
+                            run_dir.mkdir(parents=True)
+                            break
+                        except FileExistsError:
+                            n += 1
+                            run_dir = Path(f"{base}-{n}")
+                    created = True
+                else:
+                    created = not run_dir.exists()
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                self._lock = RunDirLock(run_dir)
+                error = self._lock.acquire()
+                if error is None:
+                    (run_dir / "checkpoints").mkdir(exist_ok=True)
+            except OSError as exc:
+                error = f"trainer.run_dir={run_dir}: {one_line(exc)}"
+            if error is not None and created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        error, run_dir = broadcast_object((error, str(run_dir)), layout)
+        if error is not None:
+            raise ConfigError(error)
+        self.run_dir = Path(run_dir)
+        self.ckpts.root = self.run_dir / "checkpoints"
+        probe = self.ckpts.root / f".probe-rank{layout.rank}"
+        try:  # a read-only or full filesystem fails here, not at the first checkpoint after the training
+            probe.write_bytes(b"kda_cp")
+            probe.unlink()
+        except OSError as exc:
+            error = (f"trainer.run_dir={run_dir}: rank {layout.rank} cannot write checkpoints into {self.ckpts.root}: "
+                     f"{(exc.strerror or one_line(exc)).lower()}")
+        error = agree(error, layout)
+        if error is not None:
+            self._lock.release()
+            if created:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise ConfigError(error)
+        return created
+
     def fit(self) -> dict:
         """Collective: train from the start (or resumed) step to trainer.max_steps, evaluating and
         checkpointing on the configured cadence, then at the end; returns the summary dict (also
         written to summary.json on rank 0). A failure before the first step removes the run
-        directory this call made.
+        directory this call made. A resumed run already at trainer.max_steps writes nothing and
+        returns its summary.json.
 
         Raises:
+            ConfigError: on every rank, before the first step: another live run holds the run
+                directory's lock, or the checkpoints directory cannot be written.
             CheckpointWriteError: writing a checkpoint failed (e.g. a full disk), on every rank.
-            FloatingPointError: the loss became NaN/Inf (on every rank at the same step).
+            FloatingPointError: the loss or the gradient norm became NaN/Inf (on every rank at the
+                same step, before that step is saved).
         """
-        cfg, layout, run_dir, is_main = self.cfg, self.layout, self.run_dir, self.is_main
+        cfg, layout, is_main = self.cfg, self.layout, self.is_main
         start_step, entropy = self.start_step, self.entropy
-        created = is_main and not run_dir.exists()
+        if start_step >= cfg.trainer.max_steps:  # a resumed run that already ended: change nothing
+            if is_main:
+                logger.info("the run in %s is complete at step %d (trainer.max_steps): nothing to do; raise "
+                            "trainer.max_steps to train on", self.run_dir, start_step)
+            try:
+                return json.loads((self.run_dir / "summary.json").read_text())
+            except (OSError, ValueError):
+                return {"steps": cfg.trainer.max_steps, "start_step": start_step, "run_dir": str(self.run_dir)}
+        created = self._claim_run_dir()
+        run_dir = self.run_dir
         if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             logger.info(
                 "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
@@ -336,6 +494,7 @@ class Trainer:
             self.save_checkpoint(cfg.trainer.max_steps)
         except BaseException:
             metrics.close()
+            self._lock.release()
             if created:  # failed before its first step: leave no empty run directory behind
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
@@ -370,6 +529,7 @@ class Trainer:
         }
         if is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self._lock.release()
             if cfg.trainer.plot:
                 plot_losses(run_dir, metrics.history, entropy)
             logger.info(

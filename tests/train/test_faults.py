@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kda_cp.train import ConfigError, Trainer, compose_config, train
+from kda_cp.train import ConfigError, Trainer, compose_config, to_train_config, train
 from kda_cp.train.metrics import continue_metrics
 
 from tests._dist import descendants, finish, kill_tree, run_command, run_ranks
@@ -400,3 +401,164 @@ def test_failure_in_the_first_step_leaves_no_run_dir(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected failure"):
         train(_cfg([*TINY, "parallel.cp=1", "trainer.max_steps=3", f"trainer.run_dir={run}"]))
     assert [m["step"] for m in _records(run)] == [1]
+
+
+# ------------------------------------------------------------------------------------------------
+# The run directory, the corpus, the schedule and the end of a run
+# ------------------------------------------------------------------------------------------------
+
+
+def _files(run: Path) -> dict:
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def _run(run: Path, *extra):
+    steps = [] if any(e.startswith("trainer.max_steps=") for e in extra) else ["trainer.max_steps=3"]
+    return train(_cfg([*TINY, "parallel.cp=1", f"trainer.run_dir={run}", *steps, *extra]))
+
+
+def test_nan_gradients_stop_the_run_before_the_step_is_saved(tmp_path, monkeypatch):
+    """A step whose loss is finite but whose gradients are not: the run stops at that step (named
+    as metrics.jsonl numbers it), the weights are not updated, nothing of the step is saved, and
+    the checkpoint of the step before it (keep_checkpoints=1) survives and resumes."""
+    from kda_cp.train.engine import TorchEngine
+
+    run = tmp_path / "run"
+    real = TorchEngine.reduce
+    calls = []
+
+    def poisoned(self, loss_sum):
+        out = real(self, loss_sum)
+        calls.append(1)
+        if len(calls) == 2:
+            next(iter(self.params)).grad.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(TorchEngine, "reduce", poisoned)
+    extra = ["trainer.max_steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
+    with pytest.raises(FloatingPointError, match=r"gradient norm is nan at step 2 "):
+        _run(run, *extra)
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert steps == ["step_00000001"], steps
+    state = torch.load(run / "checkpoints" / "step_00000001" / "state.pt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert [m["step"] for m in _records(run)] == [1]
+    monkeypatch.setattr(TorchEngine, "reduce", real)
+    assert _run(run, *extra, "trainer.resume=true")["start_step"] == 1
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path, caplog):
+    """A run holds <run_dir>/.lock while it writes: another run there (fresh or resumed) is refused
+    with the holder named and nothing changed; a lock left by a run that is gone is taken over; a
+    finished run leaves no lock."""
+    run = tmp_path / "run"
+    _run(run, "trainer.checkpoint_every=1")
+    assert not (run / ".lock").exists()
+    (run / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))  # a live holder
+    before = _files(run)
+    with pytest.raises(ConfigError, match=r"being written by another run \(pid \d+"):
+        _run(run, "trainer.max_steps=5", "trainer.resume=true")
+    assert _files(run) == before
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / ".lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    with caplog.at_level("WARNING", logger="kda_cp.train"):
+        assert _run(run, "trainer.max_steps=5", "trainer.resume=true")["start_step"] == 3
+    assert "taking over" in caplog.text and not (run / ".lock").exists()
+
+
+def test_a_fresh_run_never_overwrites_what_it_did_not_write(tmp_path):
+    """An empty trainer.run_dir (the current directory) is refused; a fresh run refuses a directory
+    that holds a config.yaml, summary.json or loss.png, or whose checkpoints/ is a file, before any
+    step, and leaves those files as they were."""
+    with pytest.raises(ValueError, match="trainer.run_dir must not be empty"):
+        to_train_config(_cfg([*TINY, "trainer.run_dir="]))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own config\n")
+    with pytest.raises(ConfigError, match="already holds config.yaml"):
+        _run(mine)
+    assert _files(mine) == {mine / "config.yaml": b"my own config\n"}
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("not a directory\n")
+    t0 = time.time()
+    with pytest.raises(ConfigError, match="is a file"):
+        _run(blocked, "trainer.max_steps=50")
+    assert time.time() - t0 < 30 and not (blocked / "metrics.jsonl").exists()
+
+
+def test_an_unwritable_checkpoint_directory_fails_before_the_first_step(tmp_path, monkeypatch):
+    """Every rank writes a probe file into checkpoints/ before the first step: a read-only
+    filesystem there (simulated: the probe's write fails with EROFS) ends the run at once, before
+    any training, and a directory the run made is removed."""
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if self.name.startswith(".probe-rank"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="cannot write checkpoints into .*read-only file system"):
+        _run(run, "trainer.max_steps=50")
+    assert not run.exists()
+
+
+def test_resume_refuses_a_changed_corpus(tmp_path):
+    """The checkpoint records the corpus's size and sha256: the same data.path with other bytes is
+    refused on resume (the same steps would read other batches), nothing changed."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 400)
+    run = tmp_path / "run"
+    _run(run, f"data.path={corpus}", "trainer.max_steps=2")
+    before = _files(run)
+    corpus.write_bytes(bytes(range(255, -1, -1)) * 400)
+    with pytest.raises(ConfigError, match="the corpus differs"):
+        _run(run, f"data.path={corpus}", "trainer.max_steps=3", "trainer.resume=true")
+    assert _files(run) == before
+
+
+def test_extending_a_run_follows_the_new_schedule_from_the_resumed_step(tmp_path):
+    """Resumed with a larger trainer.max_steps, the first resumed step already takes the new
+    cosine's learning rate (the optimizer's state holds the old schedule's last value)."""
+    from kda_cp.train.config import OptimConfig
+    from kda_cp.train.optim import lr_lambda
+
+    run = tmp_path / "run"
+    _run(run, "trainer.max_steps=4")
+    _run(run, "trainer.max_steps=8", "trainer.resume=true")
+    lrs = {m["step"]: m["lr"] for m in _records(run) if "lr" in m}
+    peak = _cfg(TINY).optim.lr
+    cfg = OptimConfig(lr=peak, warmup_steps=1)
+    for step in (5, 6, 7, 8):
+        assert lrs[step] == pytest.approx(peak * lr_lambda(cfg, 8)(step - 1), rel=1e-12), (step, lrs)
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    summary = _run(run)
+    before = _files(run)
+    again = _run(run, "trainer.resume=true")
+    assert _files(run) == before
+    assert again == json.loads((run / "summary.json").read_text()) and again["val_loss"] == summary["val_loss"]
+
+
+def test_damaged_metrics_line_drops_only_itself(tmp_path):
+    """A damaged record in the middle of metrics.jsonl is dropped alone (with a warning); the
+    records after it up to the resumed step stay."""
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4, 5)]
+    path.write_text(good[0] + good[1] + '{"step": 3, "lo\x00ss": \n' + good[3] + good[4])
+    kept = continue_metrics(path, 5)
+    assert [m["step"] for m in kept] == [1, 2, 4, 5]
+    assert path.read_text() == good[0] + good[1] + good[3] + good[4]
+
+
+@pytest.mark.parametrize("override,field", [("optim.eps=inf", "optim.eps"), ("parallel.threads_per_rank=0",
+                                                                           "parallel.threads_per_rank"),
+                                            ("parallel.threads_per_rank=-1", "parallel.threads_per_rank")])
+def test_bad_numbers_name_their_key(override, field):
+    with pytest.raises(ValueError, match=field):
+        to_train_config(_cfg([*TINY, override]))
