@@ -692,6 +692,21 @@ def _check_finite(named) -> None:
             raise ValueError(f"{name} must be finite (NaN or Inf in the input)")
 
 
+def check_preactivations(g, beta, A_log, dt_bias, *, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool) -> None:
+    """With the gate or beta's sigmoid taken from pre-activations: ValueError naming the first of g
+    (the gate's pre-activation), A_log, exp(A_log) (in the gate's compute dtype), dt_bias and beta
+    (with use_beta_sigmoid_in_kernel) that holds a NaN or Inf. The gate itself stays finite there
+    (a saturated sigmoid), but its backward is NaN. One device sync."""
+    named = []
+    if use_gate_in_kernel:
+        cdt = torch.float64 if g.dtype == torch.float64 else torch.float32
+        named += [("g (the gate's pre-activation)", g), ("A_log", A_log),
+                  ("exp(A_log)", None if A_log is None else A_log.detach().to(cdt).exp()), ("dt_bias", dt_bias)]
+    if use_beta_sigmoid_in_kernel:
+        named.append(("beta (the pre-activation of its sigmoid)", beta))
+    _check_finite(named)
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -796,7 +811,8 @@ def chunk_kda(
         check_scale(scale)
         if check_gate:
             _check_finite([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                           ("dt_bias", dt_bias), ("initial_state", initial_state)])
+                           ("exp(A_log)", A_log.detach().float().exp()), ("dt_bias", dt_bias),
+                           ("initial_state", initial_state)])
             top = 2 if allow_neg_eigval else 1
             if not use_beta_sigmoid_in_kernel and beta.numel() and not bool(((beta >= 0) & (beta <= top)).all()):
                 raise ValueError(f"beta (the write strength) must lie in [0, {top}]; pass use_beta_sigmoid_in_kernel="
@@ -811,6 +827,9 @@ def chunk_kda(
         beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
         return GatedChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, fused, opts, beta_scale)
     if use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None or dt_bias is not None:
+        if check_gate and isinstance(g, torch.Tensor) and isinstance(beta, torch.Tensor):
+            check_preactivations(g, beta, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+                                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
         q, k, g, beta = apply_input_options(
             q, k, g, beta, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, g_min=g_min,

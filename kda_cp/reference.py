@@ -236,7 +236,7 @@ def _chunk_state_pass(intra: _ChunkIntra, h0, scale):
             o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, : intra.T] * scale
         else:
             o = h0.new_zeros(B, 0, H, V)
-    return o, S
+    return o, S if N else h0.clone()  # no chunks: the final state is h0's value, never h0 itself
 
 
 def _chunk_kda_dense(q, k, v, g, beta, scale, h0, chunk_size, with_output=True):

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from kda_cp import reference, scan
 from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_inputs,
-                        check_scale, chunk_kda, dense_on_cuda, expand_value_heads, first_order_only, get_backend,
-                        segmented)
+                        check_preactivations, check_scale, chunk_kda, dense_on_cuda, expand_value_heads,
+                        first_order_only, get_backend, segmented)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
@@ -465,6 +465,9 @@ def cp_chunk_kda(
         q, k = expand_value_heads(q, k, v)
         if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
                 or dt_bias is not None:
+            if check_gate and isinstance(g, torch.Tensor) and isinstance(beta, torch.Tensor):
+                check_preactivations(g, beta, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+                                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
             q, k, g, beta = apply_input_options(
                 q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -613,6 +616,7 @@ def cp_chunk_kda_in_one_process(
 
     cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
     check_inputs(q, k, v, g, beta, initial_state, cu, chunk_size, True, g_min)
+    check_scale(scale)
     B, T, H, K = q.shape
     V = v.shape[-1]
     bounds = shard_bounds(T, world_size, lengths)

@@ -40,3 +40,10 @@ def test_one_process_cp_equals_recurrence(world, T, lengths, cu, scan_method, fi
         assert final_state is None
     for name, leaf, got in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, grads):
         assert_close(name, leaf.grad, got, 1e-10)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "1"])
+def test_one_process_cp_checks_the_scale(scale):
+    q, k, v, g, beta, _ = make_inputs(1, 20, 2, 8, 8)
+    with pytest.raises(ValueError, match="scale"):
+        cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=2, scale=scale)

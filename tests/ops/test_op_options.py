@@ -102,6 +102,36 @@ def test_bad_gate_parameters():
         chunk_kda(q, k, v, z, b)
 
 
+@pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded", "softplus"])
+def test_non_finite_preactivations_are_refused(g_min):
+    """A saturated gate is finite (sigmoid(inf) = 1) but its backward is NaN: with check_gate, an
+    Inf or NaN in z, A_log, dt_bias or beta's pre-activation, or an A_log whose exp overflows the
+    gate's fp32, is a ValueError naming it, from chunk_kda and cp_chunk_kda alike (which run their
+    checks before any exchange; one rank here). check_gate=False skips them."""
+    T, H, K, V = 12, 2, 4, 4
+    q, k, v, z, b, A_log, dt_bias = (x.detach().float() for x in _raw(T, H, K, V, seed=2))
+    opts = dict(A_log=A_log, dt_bias=dt_bias, g_min=g_min, **OPTS)
+
+    def poisoned(name, value):
+        t = {"z": z, "A_log": A_log, "dt_bias": dt_bias, "b": b}[name].clone()
+        t.view(-1)[1] = value
+        return t
+
+    cases = [("z", float("inf"), r"g \(the gate's pre-activation\)"), ("A_log", float("nan"), "A_log"),
+             ("A_log", 89.0, r"exp\(A_log\)"), ("dt_bias", float("-inf"), "dt_bias"),
+             ("b", float("nan"), r"beta \(the pre-activation")]
+    for name, value, match in cases:
+        args = {"z": z, "b": b, **opts, name: poisoned(name, value)}
+        zz, bb = args.pop("z"), args.pop("b")
+        with pytest.raises(ValueError, match=match):
+            chunk_kda(q, k, v, zz, bb, **args)
+        with pytest.raises(ValueError, match=match):
+            cp_chunk_kda(q, k, v, zz, bb, cp_group=None, **args)
+    zz = poisoned("z", float("inf")).requires_grad_(True)
+    o, _ = chunk_kda(q, k, v, zz, b, check_gate=False, **opts)  # refused only with the checks on
+    assert torch.isfinite(o).all()
+
+
 def _cp_body(rank, world_size, leaves, lengths, cu, do):
     import torch.distributed as dist
 

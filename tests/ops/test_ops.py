@@ -209,3 +209,20 @@ def test_double_backward_is_a_clear_error():
         torch.autograd.grad(loss, (q, k), create_graph=True, retain_graph=True)
     dq, dk = torch.autograd.grad(loss, (q, k))
     assert dq.abs().sum() > 0 and dk.abs().sum() > 0 and not dq.requires_grad
+
+
+@pytest.mark.parametrize("segment_len", [None, 64])
+def test_an_empty_sequence_returns_a_copy_of_the_initial_state(segment_len):
+    """T = 0: the final state equals initial_state but is a new tensor (an in-place edit of one
+    never changes the other), with its gradient flowing to initial_state."""
+    q = torch.randn(1, 0, 2, 8, dtype=torch.float64)
+    g = -torch.rand(1, 0, 2, 8, dtype=torch.float64)
+    beta = torch.rand(1, 0, 2, dtype=torch.float64)
+    h0 = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    o, ht = chunk_kda(q, q, q, g, beta, initial_state=h0, output_final_state=True, segment_len=segment_len)
+    assert o.shape == (1, 0, 2, 8) and torch.equal(ht, h0) and ht.data_ptr() != h0.data_ptr()
+    ht.mul(3).sum().backward()
+    assert torch.equal(h0.grad, torch.full_like(h0, 3.0))
+    with torch.no_grad():
+        ht.add_(1)
+    assert not torch.equal(ht, h0)
