@@ -248,9 +248,9 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.T
     """``F.linear(x, weight).split(widths, -1)`` with a backward that never concatenates the
     blocks' gradients into one of y's size (:class:`_LinearSplit`).
 
-    x [..., D], weight [sum(widths), D] (cast to the autocast dtype when autocast is on, as
-    F.linear). Returns one tensor [..., n] per width n. Raises ValueError if the widths do not
-    sum to weight's rows.
+    x [..., D], weight [sum(widths), D] (under autocast, cast to its dtype as F.linear casts:
+    floating tensors other than fp64). Returns one tensor [..., n] per width n. Raises ValueError
+    if the widths do not sum to weight's rows.
     """
     widths = tuple(int(n) for n in widths)
     if sum(widths) != weight.shape[0] or not widths or min(widths) <= 0:
@@ -258,7 +258,7 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.T
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
-        x, weight = x.to(dt), weight.to(dt)
+        x, weight = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, weight))
     with torch.autocast(dev, enabled=False):
         return _LinearSplit.apply(x, weight, widths)
 

@@ -187,7 +187,8 @@ class KDALayer(nn.Module):
             rank's contiguous shard of the sequence.
         cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (B = 1), the same on every CP
             rank; neither the short conv nor the recurrence crosses a sequence start.
-        Returns y: [B, T, D] in x's dtype.
+        Returns y: [B, T, D] in x's dtype (under autocast, the autocast dtype for an fp32 x, as
+        nn.Linear).
 
     On CUDA the glue around the KDA op (conv + SiLU + L2Norm, gate and beta, RMSNorm times the
     output gate) runs fused (:mod:`kda_cp.glue`: TileLang conv kernels where they cover the

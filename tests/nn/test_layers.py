@@ -209,3 +209,17 @@ def test_layer_empty_sequence():
     y.sum().backward()
     assert x.grad.shape == x.shape and all(p.grad is None or torch.count_nonzero(p.grad) == 0
                                            for p in layer.parameters())
+
+
+def test_fp64_layer_under_cpu_autocast_stays_fp64():
+    """Autocast leaves fp64 alone (torch casts only other floating dtypes): an fp64 layer under a
+    bf16 autocast region gives exactly its result outside it; an fp32 one returns bf16, as
+    nn.Linear does."""
+    layer = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8)).double()
+    x = torch.randn(1, 10, 16, dtype=torch.float64)
+    ref = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        y32 = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8))(x.float())
+    assert y.dtype == torch.float64 and torch.equal(y, ref)
+    assert y32.dtype == torch.bfloat16
