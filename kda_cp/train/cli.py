@@ -78,6 +78,19 @@ def help_text() -> str:
     return USAGE.format(groups="\n".join(groups), keys="\n".join(keys))
 
 
+def _bool_keys(cls=TrainConfig, prefix: str = "") -> set[str]:
+    """Dotted keys of the config's bool fields (the schema's dataclasses, recursively)."""
+    keys = set()
+    for f in dataclasses.fields(cls):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys |= _bool_keys(type(default), f"{prefix}{f.name}.")
+        elif kind == "bool":
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """Compose conf/config.yaml with Hydra overrides (the command line's KEY=VALUE arguments).
 
@@ -85,11 +98,18 @@ def compose_config(overrides: list[str]) -> DictConfig:
         ConfigError: an override Hydra cannot parse or apply (the message is Hydra's, on one line),
             or a key that moved into a nested config (the message names its new place).
     """
+    bools = _bool_keys()
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key, _, value = override.lstrip("+~").partition("=")
         if key in MOVED_MODEL_KEYS:
             raise ConfigError(f"{key} is now {' and '.join(MOVED_MODEL_KEYS[key])} (the layers' configs nest in "
                               f"the model's): got {override!r}")
+        # Hydra takes any nonzero int (and yes/on) for a bool: trainer.resume=4 would resume the newest
+        # checkpoint, not step 4
+        if key in bools and value.strip().lower() not in ("true", "false"):
+            raise ConfigError(f"{key} must be true or false, got {value!r}" + (
+                " (a resume always takes the newest complete checkpoint; to resume an earlier step, move the "
+                "later ones out of checkpoints/)" if key == "trainer.resume" else ""))
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
             return compose(config_name="config", overrides=list(overrides))

@@ -562,3 +562,13 @@ def test_damaged_metrics_line_drops_only_itself(tmp_path):
 def test_bad_numbers_name_their_key(override, field):
     with pytest.raises(ValueError, match=field):
         to_train_config(_cfg([*TINY, override]))
+
+
+def test_a_bool_key_takes_true_or_false_only():
+    """Hydra reads any nonzero int as true: trainer.resume=4 (meant as "step 4") would resume the
+    newest checkpoint. Bool keys take true or false (any case), else a ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=r"trainer.resume must be true or false, got '4'.*newest"):
+        compose_config(["trainer.resume=4"])
+    with pytest.raises(ConfigError, match="trainer.plot must be true or false"):
+        compose_config(["trainer.plot=yes"])
+    assert compose_config(["trainer.progress=False"]).trainer.progress is False
