@@ -100,7 +100,12 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """
     bools = _bool_keys()
     for override in overrides:
+        if override in ("--multirun", "-m"):
+            raise ConfigError("sweeps (--multirun) are not supported: run one configuration per command")
         key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("hydra.") or key == "hydra":
+            raise ConfigError(f"{override!r}: Hydra's own settings are not used here (no Hydra output directory "
+                              "or logging); the run directory is trainer.run_dir")
         if key in MOVED_MODEL_KEYS:
             raise ConfigError(f"{key} is now {' and '.join(MOVED_MODEL_KEYS[key])} (the layers' configs nest in "
                               f"the model's): got {override!r}")

@@ -572,3 +572,10 @@ def test_a_bool_key_takes_true_or_false_only():
     with pytest.raises(ConfigError, match="trainer.plot must be true or false"):
         compose_config(["trainer.plot=yes"])
     assert compose_config(["trainer.progress=False"]).trainer.progress is False
+
+
+def test_hydra_settings_and_sweeps_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="the run directory is trainer.run_dir"):
+        compose_config(["hydra.run.dir=/tmp/elsewhere"])
+    with pytest.raises(ConfigError, match="sweeps"):
+        compose_config(["--multirun", "trainer.max_steps=1,2"])
