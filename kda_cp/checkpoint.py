@@ -13,7 +13,8 @@ files into it (``write(tmp_dir)``); once every rank has written, rank 0 lists th
 sizes and sha256 digests into ``MANIFEST.json`` (itself written to a temporary name and
 os.replace'd), fsyncs, and renames the
 directory to ``step_N`` with os.replace (atomic on one filesystem); older checkpoints beyond
-``keep`` are deleted, never the one just written. A process killed at any point leaves either the
+``keep`` are deleted, never the one just written, and so are what a process killed mid-save or
+mid-prune left (``.tmp-step_*`` directories, ``step_N`` directories that fail the size check). A process killed at any point leaves either the
 previous complete checkpoint or the new one, never a half-written ``step_N`` that passes
 verification. Saving a step that already has a checkpoint (a run resumed before it) first renames
 the old copy to ``.old-step_N``, which :meth:`CheckpointManager.latest` still reads should the
@@ -210,8 +211,8 @@ class CheckpointManager:
         def make() -> None:
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)
+                for stale in self.root.glob(f"{_TMP_PREFIX}{_PREFIX}*"):  # left by a run killed mid-save
+                    shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
 
         stage(make)
@@ -251,9 +252,14 @@ class CheckpointManager:
 
     def _prune(self, written: int) -> None:
         """Keep the checkpoint just written and the ``keep - 1`` newest complete ones before it
-        (complete by the sizes in their manifests: pruning does not read every byte)."""
-        older = [c for c in self._candidates() if c.step < written and verify(c.path, hashes=False)[0] is not None]
-        for c in older[self.keep - 1 :]:
+        (complete by the sizes in their manifests: pruning does not read every byte). Incomplete
+        directories before it (a process killed while pruning or writing) go too: no resume can
+        use them."""
+        older, broken = [], []
+        for c in self._candidates():
+            if c.step < written:
+                (older if verify(c.path, hashes=False)[0] is not None else broken).append(c)
+        for c in older[self.keep - 1 :] + broken:
             shutil.rmtree(c.path, ignore_errors=True)
 
     def _candidates(self) -> list[CheckpointInfo]:

@@ -183,3 +183,22 @@ def test_failed_write_is_reported_cleaned_and_keeps_earlier(tmp_path):
     with pytest.raises(CheckpointWriteError, match=r"step 4: RuntimeError: boom"):
         m.save(4, lambda tmp: (_ for _ in ()).throw(RuntimeError("boom")))
     assert m.latest().step == 1 and not list(m.root.glob(".tmp-*"))
+
+
+def test_leftovers_of_a_killed_save_or_prune_are_removed_by_the_next_save(tmp_path):
+    """A process killed while pruning leaves a step directory without its manifest (or with files
+    missing), one killed while writing a .tmp-step directory: the next save removes both, keeps the
+    complete checkpoints it should, and latest() no longer warns about them."""
+    m = CheckpointManager(tmp_path, rank=0, barrier=lambda: None, keep=2)
+    for step in (2, 4):
+        m.save(step, _write(bytes([step]) * 10))
+    root = tmp_path / "checkpoints"
+    (root / "step_00000001").mkdir()  # pruning cut off after emptying it
+    (root / "step_00000003").mkdir()
+    (root / "step_00000003" / "a.bin").write_bytes(b"half")
+    (root / ".tmp-step_00000005").mkdir()  # a save of step 5 killed mid-write
+    (root / ".tmp-step_00000005" / "a.bin").write_bytes(b"partial")
+    m.save(6, _write(b"\x06" * 10))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
+    m.latest()
+    assert m.skipped == []
