@@ -259,6 +259,8 @@ class CheckpointManager:
         for c in self._candidates():
             if c.step < written:
                 (older if verify(c.path, hashes=False)[0] is not None else broken).append(c)
+        for c in broken:
+            logger.warning("removing incomplete checkpoint %s (%s)", c.path, verify(c.path, hashes=False)[1])
         for c in older[self.keep - 1 :] + broken:
             shutil.rmtree(c.path, ignore_errors=True)
 

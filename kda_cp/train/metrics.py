@@ -69,7 +69,10 @@ def continue_metrics(path: Path, step: int) -> list[dict]:
     new = b"".join(out)
     if new != data:
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(new)
+        with open(tmp, "wb") as fh:
+            fh.write(new)
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before it replaces the old file
         os.replace(tmp, path)
     return kept
 

@@ -72,61 +72,42 @@ RUN_FILES = ("config.yaml", "summary.json", "loss.png")
 
 
 class RunDirLock:
-    """``<run_dir>/.lock``: held by the main rank of the run that writes the directory, so that a
-    second run (two fresh runs given one trainer.run_dir, or a resume while the run still goes)
-    is refused instead of interleaving checkpoints and metrics. Made with O_EXCL (atomic); holds
-    the holder's pid and host. A lock whose holder is gone (same host, no such process: the run
-    was killed) is taken over with a warning."""
+    """``<run_dir>/.lock``: an exclusive flock held by the main rank of the run that writes the
+    directory, so that a second run (two fresh runs given one trainer.run_dir, or a resume while
+    the run still goes) is refused instead of interleaving checkpoints and metrics. The kernel
+    drops the lock when its process ends, however it ends, so a killed run never blocks the next
+    one. The file stays (it holds the last holder's pid and host, for the refusal's message);
+    deleting it while held would let a second run lock a new file. An advisory lock: it excludes
+    runs on one host, and across hosts where the filesystem supports flock."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / ".lock"
-        self.held = False
-
-    def _stale(self) -> tuple[bool, str]:
-        try:
-            holder = json.loads(self.path.read_text())
-            pid, host = int(holder["pid"]), str(holder["host"])
-        except (OSError, ValueError, KeyError, TypeError):  # torn by a crash while written, or foreign
-            try:
-                age = time.time() - self.path.stat().st_mtime
-            except OSError:
-                return True, "gone"
-            return age > 30, f"unreadable, {age:.0f} s old"
-        who = f"pid {pid} on {host}"
-        if host != socket.gethostname():
-            return False, who
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True, who
-        except PermissionError:  # alive, another user's
-            return False, who
-        return False, who
+        self._fh = None
 
     def acquire(self) -> str | None:
-        """Take the lock; returns None, or why not (another live run holds it)."""
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                stale, who = self._stale()
-                if not stale:
-                    return (f"trainer.run_dir={self.path.parent} is being written by another run ({who}; lock "
-                            f"{self.path}): wait for it to end, or choose another trainer.run_dir. If no run uses "
-                            f"it, delete {self.path}")
-                logger.warning("taking over %s from a run that is gone (%s)", self.path, who)
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-            self.held = True
-            return None
-        return f"could not take the lock {self.path}"
+        """Take the lock; returns None, or why not (another run holds it)."""
+        import fcntl
+
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a live process
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            return (f"trainer.run_dir={self.path.parent} is being written by another run ({holder}; lock "
+                    f"{self.path}): wait for it to end, or choose another trainer.run_dir")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        fh.flush()
+        self._fh = fh
+        return None
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+        if self._fh is not None:
+            self._fh.close()  # closing the file drops the flock
+            self._fh = None
 
 
 def corpus_digest(data: np.ndarray) -> dict:
@@ -273,8 +254,7 @@ class Trainer:
         grad_norm = engine.step()
         if grad_norm is not None and not math.isfinite(grad_norm):  # the same on every rank (global norm)
             raise FloatingPointError(f"gradient norm is {grad_norm} at step {step + 1} (loss {loss:.4g}): training "
-                                     "stops before this step is saved; the checkpoints hold earlier steps (a lower "
-                                     "optim.lr or optim.grad_clip may help)")
+                                     "stops before this step is saved; the checkpoints hold earlier steps")
         if layout.device.type == "cuda":
             torch.cuda.synchronize(layout.device)
         dt = time.perf_counter() - t0
@@ -354,11 +334,12 @@ class Trainer:
             before = found.step
         why = drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
         saved_data = client.get("data")  # absent in checkpoints written before it was recorded
-        if not why and saved_data is not None and saved_data != self.data_digest:
+        if not why and saved_data is not None and saved_data != self.data_digest:  # agreed below: ranks may differ
             why = (f"trainer.resume: the corpus differs from the one {found.path} was trained on (data.path="
                    f"{cfg.data.path!r}: {saved_data['bytes']} bytes, sha256 {saved_data['sha256'][:12]}... then, "
                    f"{self.data_digest['bytes']} bytes, sha256 {self.data_digest['sha256'][:12]}... now): the same "
                    "steps would read other batches. Restore the corpus, or start a fresh run")
+        why = agree(why or None, layout)
         if why:
             raise ConfigError(why)
         _set_rng_state(rng, layout.device)
@@ -381,19 +362,24 @@ class Trainer:
         created, error, run_dir = False, None, self.run_dir
         if self.is_main:
             try:
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
                 if cfg.trainer.run_dir is None:  # claimed atomically: two runs started together get two names
-                    base, n = str(run_dir), 0
-                    while True:
+                    base = str(run_dir)
+                    for n in range(1, 1001):
                         try:
-                            run_dir.mkdir(parents=True)
+                            run_dir.mkdir()
                             break
                         except FileExistsError:
-                            n += 1
                             run_dir = Path(f"{base}-{n}")
+                    else:
+                        raise FileExistsError(f"no free run directory name after {base}-999")
                     created = True
                 else:
-                    created = not run_dir.exists()
-                    run_dir.mkdir(parents=True, exist_ok=True)
+                    try:  # atomic: only the run that made the directory removes it on failure
+                        run_dir.mkdir()
+                        created = True
+                    except FileExistsError:
+                        created = False
                 self._lock = RunDirLock(run_dir)
                 error = self._lock.acquire()
                 if error is None:
@@ -438,14 +424,21 @@ class Trainer:
         """
         cfg, layout, is_main = self.cfg, self.layout, self.is_main
         start_step, entropy = self.start_step, self.entropy
-        if start_step >= cfg.trainer.max_steps:  # a resumed run that already ended: change nothing
+        finished = start_step >= cfg.trainer.max_steps  # resumed at its last step
+        if finished:  # with its summary: change nothing; without (killed before writing it): evaluate, write it
+            done = None
             if is_main:
-                logger.info("the run in %s is complete at step %d (trainer.max_steps): nothing to do; raise "
-                            "trainer.max_steps to train on", self.run_dir, start_step)
-            try:
-                return json.loads((self.run_dir / "summary.json").read_text())
-            except (OSError, ValueError):
-                return {"steps": cfg.trainer.max_steps, "start_step": start_step, "run_dir": str(self.run_dir)}
+                try:
+                    done = json.loads((self.run_dir / "summary.json").read_text())
+                    done = done if done.get("steps") == cfg.trainer.max_steps and "val_loss" in done else None
+                except (OSError, ValueError, AttributeError):
+                    done = None
+            done = broadcast_object(done, layout)
+            if done is not None:
+                if is_main:
+                    logger.info("the run in %s is complete at step %d (trainer.max_steps): nothing to do; raise "
+                                "trainer.max_steps to train on", self.run_dir, start_step)
+                return done
         created = self._claim_run_dir()
         run_dir = self.run_dir
         if is_main:
@@ -490,8 +483,9 @@ class Trainer:
                     self.save_checkpoint(done)
             bar.close()
             val_loss = self.evaluate()
-            metrics.record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
-            self.save_checkpoint(cfg.trainer.max_steps)
+            if not finished:  # a finished run has both already
+                metrics.record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
+                self.save_checkpoint(cfg.trainer.max_steps)
         except BaseException:
             metrics.close()
             self._lock.release()
@@ -514,7 +508,7 @@ class Trainer:
             "train_time_s": self.train_time,
             "wall_time_s": time.perf_counter() - self.t_start,
             "cpu_time_s_rank0": time.process_time() - self.cpu_start,
-            "median_tokens_per_s": float(np.median(self.tok_rates)) if self.tok_rates else float("nan"),
+            "median_tokens_per_s": float(np.median(self.tok_rates)) if self.tok_rates else None,
             "median_mfu": float(np.median(self.mfus)) if self.mfus else None,
             "train_flops_per_token": self.flops_per_token,
             "peak_memory_gib": float(peak) / 2**30,
@@ -536,7 +530,7 @@ class Trainer:
                 "final: validation loss %.4f nats/byte | corpus unigram entropy %.4f nats/byte (steps %d-%d in %.0f s) | "
                 "median %.0f tokens/s%s | peak memory %.2f GiB (%s)",
                 val_loss, entropy, start_step + 1, cfg.trainer.max_steps, summary["wall_time_s"],
-                summary["median_tokens_per_s"], f", MFU {summary['median_mfu']:.1%}" if self.mfus else "",
+                summary["median_tokens_per_s"] or float("nan"), f", MFU {summary['median_mfu']:.1%}" if self.mfus else "",
                 summary["peak_memory_gib"], summary["peak_memory_kind"],
             )
         return summary

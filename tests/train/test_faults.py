@@ -447,24 +447,27 @@ def test_nan_gradients_stop_the_run_before_the_step_is_saved(tmp_path, monkeypat
     assert _run(run, *extra, "trainer.resume=true")["start_step"] == 1
 
 
-def test_a_second_run_in_the_same_directory_is_refused(tmp_path, caplog):
-    """A run holds <run_dir>/.lock while it writes: another run there (fresh or resumed) is refused
-    with the holder named and nothing changed; a lock left by a run that is gone is taken over; a
-    finished run leaves no lock."""
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path):
+    """A run holds an flock on <run_dir>/.lock while it writes: another run there (fresh or resumed)
+    is refused with the holder named and nothing changed; a holder that is killed (SIGKILL) frees
+    it, and a finished run frees it."""
     run = tmp_path / "run"
     _run(run, "trainer.checkpoint_every=1")
-    assert not (run / ".lock").exists()
-    (run / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))  # a live holder
-    before = _files(run)
-    with pytest.raises(ConfigError, match=r"being written by another run \(pid \d+"):
-        _run(run, "trainer.max_steps=5", "trainer.resume=true")
-    assert _files(run) == before
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (run / ".lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
-    with caplog.at_level("WARNING", logger="kda_cp.train"):
-        assert _run(run, "trainer.max_steps=5", "trainer.resume=true")["start_step"] == 3
-    assert "taking over" in caplog.text and not (run / ".lock").exists()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "f.seek(0); f.truncate(); f.write('pid 4242 on elsewhere'); f.flush(); print('locked', flush=True); "
+        "time.sleep(120)"), str(run / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = _files(run)
+        with pytest.raises(ConfigError, match=r"being written by another run \(pid 4242 on elsewhere"):
+            _run(run, "trainer.max_steps=5", "trainer.resume=true")
+        assert _files(run) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _run(run, "trainer.max_steps=5", "trainer.resume=true")["start_step"] == 3
+    assert _run(run, "trainer.max_steps=6", "trainer.resume=true")["start_step"] == 5  # freed at the end
 
 
 def test_a_fresh_run_never_overwrites_what_it_did_not_write(tmp_path):
@@ -537,12 +540,27 @@ def test_extending_a_run_follows_the_new_schedule_from_the_resumed_step(tmp_path
 
 
 def test_resuming_a_finished_run_changes_nothing(tmp_path):
+    """Resumed at its last step with its summary.json: nothing is written and that summary comes
+    back. Without it (killed after the last checkpoint): the summary is made again from an
+    evaluation, with no duplicate val_loss record and no new checkpoint."""
     run = tmp_path / "run"
     summary = _run(run)
     before = _files(run)
     again = _run(run, "trainer.resume=true")
     assert _files(run) == before
     assert again == json.loads((run / "summary.json").read_text()) and again["val_loss"] == summary["val_loss"]
+    (run / "summary.json").unlink()
+    records = _records(run)
+    ckpt = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    remade = _run(run, "trainer.resume=true")
+    assert remade["val_loss"] == summary["val_loss"] and remade["tokens"] == 0
+    assert remade["median_tokens_per_s"] is None
+    def no_nan(constant):
+        raise AssertionError(f"summary.json holds {constant}: not JSON")
+
+    assert json.loads((run / "summary.json").read_text(), parse_constant=no_nan) == remade
+    assert _records(run) == records
+    assert {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == ckpt
 
 
 def test_damaged_metrics_line_drops_only_itself(tmp_path):
