@@ -42,6 +42,17 @@ def make(B, T, H, K, V, n_states, *, dtype=torch.bfloat16, g_min=-5.0):
     return q, k, v, g, beta, do, h0, dht
 
 
+def assert_grads_close(ref, out):
+    """Every gradient (NAMES order) within TOL of the reference; a failure lists all that fail."""
+    errs = {}
+    for name, r, o in zip(NAMES, ref, out):
+        try:
+            assert_close(name, r, o, TOL[name])
+        except AssertionError as e:
+            errs[name] = str(e)
+    assert not errs, errs
+
+
 def oracle_grads(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
     """fp64 autograd of the recurrence; returns (dq, dk, dv, dg, dbeta, dh0)."""
     n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -79,14 +90,7 @@ def test_bwd_matches_fp64_autograd(B, T, H, K, with_h0, with_dht, dtype):
     dht = dht if with_dht else None
     scale = K ** -0.5
     out = backward.chunk_kda_bwd(q, k, v, g, beta, scale=scale, initial_state=h0, do=do, dht=dht)
-    ref = oracle_grads(q, k, v, g, beta, scale, h0, do, dht)
-    errs = {}
-    for name, r, o in zip(NAMES, ref, out):
-        try:
-            assert_close(name, r, o, TOL[name])
-        except AssertionError as e:
-            errs[name] = str(e)
-    assert not errs, errs
+    assert_grads_close(oracle_grads(q, k, v, g, beta, scale, h0, do, dht), out)
 
 
 def test_state_grad_matches_autograd():
@@ -181,13 +185,7 @@ def test_varlen_padding_zeros():
         assert torch.isfinite(o).all(), f"{name}: non-finite"
         assert torch.equal(o[:, P:], torch.zeros_like(o[:, P:])), f"{name}: padding tail is not exactly zero"
     ref = oracle_grads(*(x[:, :P] for x in (q, k, v, g, beta)), scale, h0, do[:, :P], dht, cu_seqlens=cu)
-    errs = {}
-    for name, r, o in zip(NAMES, ref, [x[:, :P] for x in out[:5]] + [out[5]]):
-        try:
-            assert_close(name, r, o, TOL[name])
-        except AssertionError as e:
-            errs[name] = str(e)
-    assert not errs, errs
+    assert_grads_close(ref, [x[:, :P] for x in out[:5]] + [out[5]])
 
 
 def test_stages_match_mirror():
