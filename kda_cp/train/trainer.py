@@ -441,8 +441,22 @@ class Trainer:
                 return done
         created = self._claim_run_dir()
         run_dir = self.run_dir
+        metrics, error = None, None
+        try:  # rank 0 writes; every rank learns of a failure here instead of waiting in the first step
+            if is_main:
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            metrics = MetricsLog(run_dir / "metrics.jsonl", is_main, start_step)
+        except OSError as exc:
+            error = f"trainer.run_dir={run_dir}: rank {layout.rank} cannot write the run's metadata: {one_line(exc)}"
+        error = agree(error, layout)
+        if error is not None:
+            if metrics is not None:
+                metrics.close()
+            self._lock.release()
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError(error)
         if is_main:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             logger.info(
                 "run dir %s; world %d = dp %d x cp %d on %s; strategy %s; %s",
                 run_dir, layout.world_size, layout.dp, layout.cp, layout.device, cfg.parallel.strategy,
@@ -452,7 +466,6 @@ class Trainer:
                 "model: %d parameters, %.3g training FLOPs/token; corpus unigram entropy %.4f nats/byte",
                 self.n_params, self.flops_per_token, entropy,
             )
-        metrics = MetricsLog(run_dir / "metrics.jsonl", is_main, start_step)
         val_loss = float("nan")
         bar = tqdm(
             total=cfg.trainer.max_steps,

@@ -597,3 +597,36 @@ def test_hydra_settings_and_sweeps_are_refused_not_ignored():
         compose_config(["hydra.run.dir=/tmp/elsewhere"])
     with pytest.raises(ConfigError, match="sweeps"):
         compose_config(["--multirun", "trainer.max_steps=1,2"])
+
+
+_FAIL_CONFIG_ON_RANK0 = """
+import errno, os, runpy, sys
+from pathlib import Path
+real = Path.write_text
+def full(self, data, *a, **k):
+    if self.name == "config.yaml" and os.environ.get("RANK") == "0":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    return real(self, data, *a, **k)
+Path.write_text = full
+sys.argv = ["scripts/train.py", *sys.argv[1:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+"""
+
+
+def test_rank0_failing_to_write_the_run_metadata_stops_every_rank_at_once(tmp_path):
+    """Only rank 0 writes config.yaml: when that write fails (a full disk, simulated), every rank
+    stops before the first step with that one error (not the other rank's lost connection or a
+    collective timeout), and the run directory the job made is removed."""
+    wrapper = tmp_path / "train_full_disk.py"
+    wrapper.write_text(_FAIL_CONFIG_ON_RANK0)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrapper),
+           *TINY, "parallel.cp=2", "trainer.max_steps=3", f"trainer.run_dir={run}"]
+    t0 = time.monotonic()
+    proc = run_command(cmd, cwd=ROOT, env=ENV, timeout=240)
+    assert proc.returncode != 0
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "cannot write the run's metadata" in lines[0] and "no space left on device" in lines[0].lower(), lines
+    assert time.monotonic() - t0 < 120  # not the training groups' deadline
+    assert not run.exists()
