@@ -197,7 +197,7 @@ def check_inputs(
         if g_min is not None and lo < g_min:
             raise ValueError(
                 f"g must lie in [g_min, 0] = [{g_min}, 0] (the declared gate bound); min(g) = {lo:.4g}. "
-                "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (torch backend only)"
+                "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (any g <= 0)"
             )
         for name, (lo, hi) in ranges.items():
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -428,7 +428,7 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
 
     "auto": TileLang for CUDA inputs the kernels support, else torch (with a one-time warning on
     CUDA). "tilelang": the kernels, or NotImplementedError saying why not. "torch": torch.
-    The kernels need a declared gate bound ``g_min`` in [-5, 0).
+    A bound ``g_min`` in [-5, 0) selects the bounded kernels, None the general-gate ones.
 
     Raises:
         ValueError: unknown name. NotImplementedError: "tilelang" for inputs it does not cover.
@@ -442,9 +442,7 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
             raise NotImplementedError(f"the TileLang backend needs CUDA tensors, got q on {q.device}")
         return _TORCH
     kernels, why = _tilelang_kernels()
-    if g_min is None:
-        kernels, why = None, "the kernels need a declared gate bound g_min in [-5, 0), got g_min=None"
-    elif chunk_size != 64:
+    if chunk_size != 64:
         kernels, why = None, f"the kernels use chunk_size 64, got {chunk_size}"
     elif not all(x.is_contiguous() for x in (q, k, v, g, beta)):
         kernels, why = None, "the kernels need contiguous q, k, v, g, beta"
@@ -754,11 +752,11 @@ def chunk_kda(
             (a NaN or Inf then propagates into o and the state).
         g_min: the declared lower bound of g, in [-5, 0) (Kimi K3: g = g_min * sigmoid(.), g_min = -5
             by default); the TileLang kernels rely on it to keep exp(+-cumsum(g)) in range over a
-            16-token sub-chunk. None declares no bound (torch backend only, any g <= 0).
+            16-token sub-chunk. None declares no bound (any g <= 0; the kernels' general-gate variants).
         use_qk_l2norm_in_kernel: L2-normalize q and k per head first (x / max(||x||, 1e-6)).
         use_gate_in_kernel: g is the gate's pre-activation [B, T, H, K]; the op applies
             g_min * sigmoid(exp(A_log) * (g + dt_bias)), or -exp(A_log) * softplus(g + dt_bias)
-            when g_min is None (torch backend only). g_min must then be passed explicitly
+            when g_min is None. g_min must then be passed explicitly
             (flash-linear-attention's default gate is the softplus one, kda_cp's default bound -5).
             A_log: [H]; dt_bias: [H * K] or [H, K] or None.
         use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid (2 * sigmoid

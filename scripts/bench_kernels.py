@@ -20,8 +20,8 @@ backward and the allocator peak, kda_cp and fla side by side through autograd, a
 autotunes, 30 s to minutes). With --segments, chunk_kda through autograd at B = 1 and few heads
 (SEGMENT_SHAPES) without and with segment_len, and the peer, forward and forward+backward, in place
 of the forward table. With --options, GVA (H = 16, HV = 32), negative eigenvalues and the general
-(softplus) gate at S1-shaped inputs, kda_cp and the peer with the same options (the general gate
-runs on kda_cp's torch backend until it has kernels). Prints markdown tables and writes JSON to --out.
+(softplus) gate at S1-shaped inputs, kda_cp and the peer with the same options; the general gate's
+row also times kda_cp's bounded kernels at the same shape. Prints markdown tables and writes JSON to --out.
 """
 import argparse
 import json
@@ -172,6 +172,8 @@ def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128):
         impls = {"kda_cp": lambda *x: chunk_kda(*x, g_min=g_min, check_gate=False, **opts)}
         if fla_chunk_kda is not None:
             impls["fla"] = lambda *x: fla_chunk_kda(*x, safe_gate=c["bounded"], lower_bound=g_min, **opts)
+        if not c["bounded"]:  # what declaring no bound costs: the bounded kernels (sigmoid gate) at the same shape
+            impls["kda_cp_bounded"] = lambda *x: chunk_kda(*x, g_min=-5.0, check_gate=False, **opts)
         row = dict(c, T=T, K=K)
         for impl, fn in impls.items():
             try:
@@ -202,6 +204,12 @@ def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128):
         else:
             peer, ratios = "-", ("-", "-")
         print(f"| {name} H={r_['H']} HV={r_['HV']} | {ours} | {peer} | {ratios[0]} | {ratios[1]} |")
+    for name, r_ in rows.items():
+        if "kda_cp_bounded_fwd_bwd_ms" in r_ and "kda_cp_fwd_bwd_ms" in r_:
+            print(f"{name}: kda_cp with a declared bound (g_min=-5) at the same shape "
+                  f"{r_['kda_cp_bounded_fwd_ms']:.3f} / {r_['kda_cp_bounded_fwd_bwd_ms']:.3f} ms; the general gate costs "
+                  f"{r_['kda_cp_fwd_ms'] / r_['kda_cp_bounded_fwd_ms']:.2f}x / "
+                  f"{r_['kda_cp_fwd_bwd_ms'] / r_['kda_cp_bounded_fwd_bwd_ms']:.2f}x")
     return rows
 
 

@@ -21,7 +21,7 @@ def test_the_peer_layer_and_ours_agree(g_min, HV, neg):
     from kda_cp.peer import FlaKDALayer
 
     cfg = KDAConfig(d_model=256, num_heads=2, num_v_heads=HV, head_dim=128, output_gate_rank=128, g_min=g_min,
-                    allow_neg_eigval=neg, backend="tilelang" if g_min is not None else "auto")
+                    allow_neg_eigval=neg, backend="tilelang")
     torch.manual_seed(0)
     peer = FlaKDALayer(cfg).cuda().to(torch.bfloat16)
     with torch.no_grad():  # off the init (norm weight 1, A_log as initialised) on every tensor
