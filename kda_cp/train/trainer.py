@@ -402,11 +402,16 @@ class Trainer:
                      f"{(exc.strerror or one_line(exc)).lower()}")
         error = agree(error, layout)
         if error is not None:
-            self._lock.release()
-            if created:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._abandon(created)
             raise ConfigError(error)
         return created
+
+    def _abandon(self, created: bool) -> None:
+        """A run that stops before its first step: release the lock; remove the run directory
+        if this run made it (no empty run directory is left behind)."""
+        self._lock.release()
+        if created:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def fit(self) -> dict:
         """Collective: train from the start (or resumed) step to trainer.max_steps, evaluating and
@@ -452,9 +457,7 @@ class Trainer:
         if error is not None:
             if metrics is not None:
                 metrics.close()
-            self._lock.release()
-            if created:
-                shutil.rmtree(run_dir, ignore_errors=True)
+            self._abandon(created)
             raise ConfigError(error)
         if is_main:
             logger.info(
@@ -501,9 +504,7 @@ class Trainer:
                 self.save_checkpoint(cfg.trainer.max_steps)
         except BaseException:
             metrics.close()
-            self._lock.release()
-            if created:  # failed before its first step: leave no empty run directory behind
-                shutil.rmtree(run_dir, ignore_errors=True)
+            self._abandon(created)  # created: failed before its first step
             raise
         finally:
             bar.close()
