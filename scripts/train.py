@@ -6,9 +6,7 @@
 The trainer lives in kda_cp.train (this is its command line, kda_cp.train.cli.main).
 """
 
-import sys
-
-from kda_cp.train.cli import main
+from kda_cp.train.cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

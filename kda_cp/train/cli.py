@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
@@ -19,7 +21,7 @@ from kda_cp.checkpoint import CheckpointWriteError
 from kda_cp.train.config import MOVED_MODEL_KEYS, ConfigError, TrainConfig, one_line, to_train_config
 from kda_cp.train.trainer import train
 
-__all__ = ["CONF_DIR", "USAGE", "help_text", "compose_config", "main"]
+__all__ = ["CONF_DIR", "USAGE", "help_text", "compose_config", "main", "exit_process"]
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
@@ -126,10 +128,12 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 
 SHARED_ERROR_WAIT_S = 30  # how long a rank other than 0 waits for rank 0 to print a shared error
+_RAN_DISTRIBUTED = False  # main() tore down a process group: exit_process skips interpreter finalization
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (see USAGE); returns the exit status: 0, or 1 after printing one error line."""
+    global _RAN_DISTRIBUTED
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a fatal signal (an abort in a C++ thread) prints every thread's Python stack
     debug = os.environ.get("KDA_CP_DEBUG", "") not in ("", "0")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     status = 0
@@ -154,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"validation loss {summary['val_loss']:.4f} nats/byte | "
                 f"corpus unigram entropy {summary['unigram_entropy']:.4f} nats/byte"
             )
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears down while another's collectives are still in flight
     except Exception as exc:
         if debug:
             raise
@@ -172,5 +176,26 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     finally:
         if dist.is_initialized():
+            _RAN_DISTRIBUTED = True
             dist.destroy_process_group()
     return status
+
+
+def exit_process(status: int, *, distributed: bool | None = None) -> NoReturn:
+    """End the process with ``status`` once training has returned (scripts/train.py).
+
+    After torch.distributed ran (``distributed``; None: :func:`main` tore down a process group), the
+    process leaves through ``os._exit`` once stdio and logging are flushed: process groups still
+    referenced (by the DeviceMesh, by DeepSpeed) keep gloo's worker threads alive into interpreter
+    finalization, which can abort a finished run ("terminate called without an active exception",
+    exit status -6). Every file of the run is closed by then.
+    """
+    if not (_RAN_DISTRIBUTED if distributed is None else distributed):
+        sys.exit(status)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(status)

@@ -144,6 +144,19 @@ class ParallelDims:
         gradients and of the loss: both span dp and cp), made by :meth:`build_mesh`; None before."""
         return self._dp_cp_group
 
+    def drain(self) -> None:
+        """Collective: a barrier on each group of the mesh (dp, cp, dp x cp), then on the world.
+
+        A barrier waits for its group's earlier work, so afterwards no collective of the run (an
+        asynchronous one nobody waited for, as DeepSpeed leaves, included) is still in flight on
+        any group: the process can tear down without a worker thread still using it.
+        """
+        if self._mesh is None:
+            return
+        for group in (self.dp_group, self.cp_group, self._dp_cp_group, None):
+            if group is None or dist.get_world_size(group) > 1:
+                dist.barrier(group=group)
+
 
 @dataclass
 class Layout:

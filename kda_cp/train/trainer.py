@@ -514,6 +514,7 @@ class Trainer:
         if layout.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         summary = {
+            layout.dims.drain()  # nothing of this run left in flight when the caller tears down
             "val_loss": val_loss,
             "unigram_entropy": entropy,
             "steps": cfg.trainer.max_steps,

@@ -38,8 +38,17 @@ def _mesh_body(rank, world_size, dp, cp):
     dp_ranks = dist.get_process_group_ranks(dims.dp_group)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=dims.dp_cp_group)
+    # drain(): asynchronous work nobody waits for, on each group, has finished when it returns
+    n, outs = 1 << 21, []
+    for group in (dims.dp_group, dims.cp_group or dims.dp_group, dims.dp_cp_group):
+        size = dist.get_world_size(group)
+        out = torch.zeros(size * n)
+        dist.all_gather_into_tensor(out, torch.full((n,), rank + 1.0), group=group, async_op=True)  # handle dropped
+        outs.append((out, dist.get_process_group_ranks(group)))
+    dims.drain()
+    gathered = [bool((out.view(len(r), n) == torch.tensor(r, dtype=torch.float32)[:, None] + 1).all()) for out, r in outs]
     return {"coords": dims.coords(rank), "local": (mesh.get_local_rank("dp"), mesh.get_local_rank("cp")),
-            "cp": cp_ranks, "dp": dp_ranks, "sum": float(t)}
+            "cp": cp_ranks, "dp": dp_ranks, "sum": float(t), "drained": gathered}
 
 
 @pytest.mark.parametrize("dp,cp", [(2, 2), (1, 4), (4, 1)], ids=["dp2xcp2", "dp1xcp4", "dp4xcp1"])
@@ -50,6 +59,7 @@ def test_mesh_groups(dp, cp):
         assert r["cp"] == [rank // cp * cp + j for j in range(cp)]  # cp inner: a contiguous block
         assert r["dp"] == [rank % cp + i * cp for i in range(dp)]
         assert r["sum"] == 6.0  # the dp x cp group spans all ranks
+        assert r["drained"] == [True] * 3
 
 
 def _bad_world(rank, world_size):

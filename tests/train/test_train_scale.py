@@ -69,7 +69,7 @@ def test_layouts_give_the_loss_curve_of_one_process(reference, tmp_path, name):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "tests/_train_layouts.py", json.dumps(cases)]
     proc = run_command(cmd, cwd=ROOT, env=ENV, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-1500:]}\nstderr:\n{proc.stderr[-6000:]}"
     ref_loss, ref_gn = _metrics(reference, "loss"), _metrics(reference, "grad_norm")
     assert len(ref_loss) == STEPS and ref_loss[STEPS] < ref_loss[1] - 0.3  # it trains
     for lay in LAYOUTS:
