@@ -24,6 +24,7 @@ from kda_cp.model import ModelConfig
 __all__ = [
     "ParallelConfig", "OptimConfig", "TrainerConfig", "DeepSpeedConfig", "TrainConfig", "ConfigError",
     "to_train_config", "one_line", "register_configs", "RESUME_SAFE_KEYS", "config_drift", "drift_message",
+    "effective_precision", "saved_config",
 ]
 
 
@@ -315,9 +316,27 @@ def config_drift(saved: dict | None, current: dict) -> list[str]:
             if k not in RESUME_SAFE_KEYS and old[k] != new[k]]
 
 
-def drift_message(path: Path, saved: dict | None, cfg: TrainConfig) -> str:
-    """The refusal of a resume whose config changed keys outside RESUME_SAFE_KEYS, or ""."""
-    drift = config_drift(saved, asdict(cfg))
+def effective_precision(precision: str, device_type: str) -> str:
+    """What trainer.precision computes in on ``device_type``: "auto" is bf16 on CUDA, fp32 elsewhere."""
+    return "bf16" if precision == "bf16" or (precision == "auto" and device_type == "cuda") else "fp32"
+
+
+def saved_config(cfg: TrainConfig, device_type: str) -> dict:
+    """``cfg`` as a checkpoint records it: trainer.precision as computed on ``device_type``."""
+    out = asdict(cfg)
+    out["trainer"]["precision"] = effective_precision(cfg.trainer.precision, device_type)
+    return out
+
+
+def drift_message(path: Path, saved: dict | None, cfg: TrainConfig, device_type: str) -> str:
+    """The refusal of a resume whose config changed keys outside RESUME_SAFE_KEYS, or "".
+
+    trainer.precision is compared as computed: "auto" on a CPU equals "fp32" (a checkpoint that
+    recorded "auto" is taken as written on this run's device type)."""
+    if saved and isinstance(saved.get("trainer"), dict) and "precision" in saved["trainer"]:
+        saved = {**saved, "trainer": {**saved["trainer"],
+                                      "precision": effective_precision(saved["trainer"]["precision"], device_type)}}
+    drift = config_drift(saved, saved_config(cfg, device_type))
     if not drift:
         return ""
     return (f"trainer.resume: this config differs from that of {path} in keys that change the computation: "

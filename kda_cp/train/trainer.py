@@ -18,7 +18,6 @@ import shutil
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from kda_cp.checkpoint import CheckpointManager
 from kda_cp.data import ByteCorpus, unigram_entropy
 from kda_cp.model import KDALanguageModel, train_flops_per_token
 from kda_cp.parallel.layers.context import CPContext, parallelize
-from kda_cp.train.config import ConfigError, TrainConfig, TrainerConfig, drift_message, one_line, to_train_config
+from kda_cp.train.config import (ConfigError, TrainConfig, TrainerConfig, drift_message, effective_precision, one_line,
+                                 saved_config, to_train_config)
 from kda_cp.train.distributed import Layout, agree, broadcast_object, init_distributed
 from kda_cp.train.engine import build_engine
 from kda_cp.train.metrics import MetricsLog, peak_memory_bytes, plot_losses
@@ -46,8 +46,7 @@ logger = logging.getLogger("kda_cp.train")
 
 def _autocast(device: torch.device, precision: str):
     """bf16 autocast on CUDA (trainer.precision auto or bf16); fp32 otherwise."""
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if not bf16:
+    if effective_precision(precision, device.type) != "bf16":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
@@ -276,9 +275,10 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
 
         def write(tmp: Path) -> None:
-            self.engine.save(tmp, {"step": step, "config": asdict(cfg), "data": self.data_digest})
+            recorded = saved_config(cfg, layout.device.type)
+            self.engine.save(tmp, {"step": step, "config": recorded, "data": self.data_digest})
             if self.is_main:  # read on resume before the weights, to refuse a changed config
-                (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+                (tmp / "config.json").write_text(json.dumps(recorded, indent=1) + "\n")
             torch.save(_rng_state(layout.device), tmp / f"rng_rank{layout.rank}.pt")
 
         self.ckpts.save(step, write)
@@ -311,7 +311,8 @@ class Trainer:
                         why = (f"trainer.resume: {found.path} was written by {saved_ranks} ranks, this run has "
                                f"{layout.world_size}: resume with the same torchrun --nproc_per_node and parallel.cp")
                     elif (found.path / "config.json").is_file():  # checked before loading: a new shape would not load
-                        why = drift_message(found.path, json.loads((found.path / "config.json").read_text()), cfg)
+                        why = drift_message(found.path, json.loads((found.path / "config.json").read_text()), cfg,
+                                            layout.device.type)
             found, why, skipped = broadcast_object((found, why, skipped), layout)
             if why:
                 raise ConfigError(why)
@@ -332,7 +333,7 @@ class Trainer:
                 logger.warning("checkpoint %s could not be loaded (%s): using an earlier one", found.path, error)
             skipped.append(error)
             before = found.step
-        why = drift_message(found.path, client.get("config"), cfg)  # checkpoints without config.json
+        why = drift_message(found.path, client.get("config"), cfg, layout.device.type)  # without config.json
         saved_data = client.get("data")  # absent in checkpoints written before it was recorded
         if not why and saved_data is not None and saved_data != self.data_digest:  # agreed below: ranks may differ
             why = (f"trainer.resume: the corpus differs from the one {found.path} was trained on (data.path="
@@ -513,8 +514,8 @@ class Trainer:
         peak = torch.tensor([peak_memory_bytes(layout.device)], dtype=torch.float64, device=layout.device)
         if layout.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        summary = {
             layout.dims.drain()  # nothing of this run left in flight when the caller tears down
+        summary = {
             "val_loss": val_loss,
             "unigram_entropy": entropy,
             "steps": cfg.trainer.max_steps,

@@ -305,7 +305,8 @@ def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
     resume = [*base, f"trainer.run_dir={run}", "trainer.resume=true"]
     for override, named in (("data.seq_len=32", "data.seq_len (64 -> 32)"), ("data.batch_size=2", "data.batch_size"),
                             ("model.d_model=48", "model.d_model (32 -> 48)"), (f"data.path={text}", "data.path"),
-                            ("optim.lr=0.01", "optim.lr"), ("trainer.seed=3", "trainer.seed")):
+                            ("optim.lr=0.01", "optim.lr"), ("trainer.seed=3", "trainer.seed"),
+                            ("trainer.precision=bf16", "trainer.precision ('fp32' -> 'bf16')")):
         with pytest.raises(ConfigError, match="differs from that of .*step_00000004") as info:
             train(_cfg([*resume, override]))
         assert named in str(info.value), (override, str(info.value))
@@ -317,9 +318,9 @@ def test_drifted_config_is_refused_and_safe_keys_are_not(tmp_path):
     assert len(lines) == 1 and "data.seq_len (64 -> 32), model.n_layers (2 -> 4)" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
-    # the loop's and the output's keys may change
+    # the loop's and the output's keys may change; precision=fp32 is what "auto" computed on the CPU
     summary = train(_cfg([*resume, "trainer.max_steps=6", "trainer.log_every=1", "trainer.val_every=3",
-                                       "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3"]))
+                          "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3", "trainer.precision=fp32"]))
     assert summary["start_step"] == 4 and [m["step"] for m in _records(run) if "loss" in m] == list(range(1, 7))
 
 
