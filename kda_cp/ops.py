@@ -86,10 +86,16 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
     return cs
 
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_scale(scale) -> None:
-    """ValueError unless ``scale`` (the output scale) is None (K ** -0.5) or a finite real number."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None (K ** -0.5), got {scale!r}")
+    """ValueError unless ``scale`` (the output scale) is None (K ** -0.5) or a real number finite
+    in float32 (the kernels' accumulation type)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                              or abs(scale) > _FP32_MAX):
+        raise ValueError(f"scale must be a finite number (at most {_FP32_MAX:.4g} in magnitude, float32's "
+                         f"largest) or None (K ** -0.5), got {scale!r}")
 
 
 def check_chunk_size(chunk_size) -> None:

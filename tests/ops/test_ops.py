@@ -90,8 +90,9 @@ def test_bad_values_and_types_name_what_was_expected(inputs):
         chunk_kda(q, k, v, g, beta * 3)
     with pytest.raises(ValueError, match="initial_state must be a torch.Tensor"):
         chunk_kda(q, k, v, g, beta, initial_state=h0.numpy())
-    with pytest.raises(ValueError, match="scale must be a finite number"):
-        chunk_kda(q, k, v, g, beta, scale=float("nan"))
+    for scale in (float("nan"), 1e39, -1e300):  # 1e39: finite in Python, inf in the kernels' float32
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            chunk_kda(q, k, v, g, beta, scale=scale)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         chunk_kda(q, k, v, g, beta, chunk_size=16.0)
     with pytest.raises(ValueError, match="initial_state must be a real floating-point tensor"):
