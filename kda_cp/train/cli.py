@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if not faulthandler.is_enabled():
-        faulthandler.enable()  # a fatal signal (an abort in a C++ thread) prints every thread's Python stack
+        try:  # a fatal signal (an abort in a C++ thread) prints every thread's Python stack
+            faulthandler.enable()
+        except (OSError, ValueError):  # a stderr without a file descriptor (captured)
+            pass
     debug = os.environ.get("KDA_CP_DEBUG", "") not in ("", "0")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     status = 0
