@@ -83,7 +83,11 @@ def _raise(problems: list[str], layout: str, config: KDAConfig) -> None:
                          + "; ".join(problems))
 
 
-def _check_layout(layout: str, config: KDAConfig) -> None:
+def _check_layout(sd, layout: str, config: KDAConfig) -> None:
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"sd must be a state dict (a mapping of names to tensors), got {type(sd).__name__}")
+    if not isinstance(config, KDAConfig):
+        raise TypeError(f"config must be a kda_cp.layers.KDAConfig, got {type(config).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if config.conv_size < 1:
@@ -96,10 +100,11 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     docstring), keys without a prefix; tensors keep their dtype.
 
     Raises:
+        TypeError: ``sd`` not a mapping or ``config`` not a KDAConfig.
         ValueError: an unknown layout; or, all in one message, missing keys, shapes that do not fit
             ``config``, a convolution bias (kda_cp's short convolution has none) and keys left over.
     """
-    _check_layout(layout, config)
+    _check_layout(sd, layout, config)
     shapes = _shapes(config)
     c = config
     HK, HV, W = c.num_heads * c.head_dim, c.v_heads * c.v_dim, c.conv_size
@@ -139,11 +144,12 @@ def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     """The inverse of :func:`import_kda_state_dict`: a KDALayer state dict in ``layout``.
 
     Raises:
+        TypeError: ``sd`` not a mapping or ``config`` not a KDAConfig.
         ValueError: an unknown layout; missing keys, shapes that do not fit ``config`` or keys the
             layer does not have (all in one message); or (layout "kimi", which has no output-gate
             bias) a nonzero og_proj.1.bias.
     """
-    _check_layout(layout, config)
+    _check_layout(sd, layout, config)
     shapes = _shapes(config)
     c = config
     HK = c.num_heads * c.head_dim

@@ -42,6 +42,15 @@ from kda_cp.parallel.layers.ulysses import ulysses_kda
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
 
 
+def gate_bias_for_decay(decay: torch.Tensor, g_min: float | None) -> torch.Tensor:
+    """The gate bias b with -g = decay at z = 0, A_log = 0 (fp32): softplus(b) = decay for the
+    unbounded gate, -g_min * sigmoid(b) = decay for the bounded one."""
+    decay = decay.float()
+    if g_min is None:
+        return torch.log(torch.expm1(decay))
+    return torch.logit(decay / -g_min)
+
+
 @dataclass
 class KDAConfig:
     """Hyper-parameters of one KDA layer."""
@@ -90,6 +99,10 @@ class KDAConfig:
             x = getattr(self, name)
             if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
                 raise ValueError(f"KDAConfig.{name} must be an int, got {x!r}")
+        for name in ("g_min", "norm_eps", "decay_init_min", "decay_init_max"):
+            x = getattr(self, name)
+            if (x is not None or name != "g_min") and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                raise ValueError(f"KDAConfig.{name} must be a number{' or None' if name == 'g_min' else ''}, got {x!r}")
         if not isinstance(self.allow_neg_eigval, bool):
             raise ValueError(f"KDAConfig.allow_neg_eigval must be a bool, got {self.allow_neg_eigval!r}")
         for name in ("d_model", "num_heads", "head_dim"):
@@ -120,6 +133,14 @@ class KDAConfig:
             raise ValueError(
                 "KDAConfig needs 0 < decay_init_min <= decay_init_max < -g_min, got "
                 f"{self.decay_init_min}, {self.decay_init_max}, g_min={self.g_min}"
+            )
+        ends = gate_bias_for_decay(torch.tensor([self.decay_init_min, self.decay_init_max]), self.g_min)
+        if not bool(torch.isfinite(ends).all()):
+            raise ValueError(
+                f"KDAConfig: decay_init_min = {self.decay_init_min} and decay_init_max = {self.decay_init_max} give an "
+                f"initial gate bias of {ends.tolist()} in fp32; choose decays "
+                + ("below 88 (softplus(b) overflows past it)" if self.g_min is None
+                   else f"that stay below -g_min = {-self.g_min} in fp32 (the sigmoid saturates at 1)")
             )
 
     @property
@@ -235,10 +256,7 @@ class KDALayer(nn.Module):
         decay = torch.exp(
             torch.linspace(math.log(c.decay_init_min), math.log(c.decay_init_max), n)[torch.randperm(n)]
         )
-        if c.g_min is None:  # -softplus(b) = -decay at z = 0, A_log = 0
-            self.g_up.bias.copy_(torch.log(torch.expm1(decay)))
-        else:
-            self.g_up.bias.copy_(torch.logit(decay / -c.g_min))
+        self.g_up.bias.copy_(gate_bias_for_decay(decay, c.g_min))
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """g = g_min * sigmoid(exp(A_h) * (W_up W_down x + b)): [B, T, HV, K] in (g_min, 0); with
@@ -278,7 +296,7 @@ class KDALayer(nn.Module):
         w_in = torch.cat([self.qkv_proj.weight, self.g_down.weight, self.b_proj.weight, og_first.weight])
         qkv, zd, b, og = glue.linear_split(x, w_in, widths)
         if len(self.og_proj) > 1:  # as one 2-D GEMM: its bias in the GEMM's epilogue, not a separate add
-            og = self.og_proj[1](og.flatten(0, 1)).view(B, T, -1)
+            og = self.og_proj[1](og.flatten(0, 1)).view(B, T, self.og_proj[1].out_features)
         # Short conv + SiLU + L2Norm of q, k in one fused pass (kda_cp.glue); under CP the W-1 rows
         # before the shard (the halo) come from the previous ranks and feed the taps directly.
         weight = halo = lags = None

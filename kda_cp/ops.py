@@ -98,6 +98,19 @@ def check_scale(scale) -> None:
                          f"largest) or None (K ** -0.5), got {scale!r}")
 
 
+def check_g_min(g_min) -> None:
+    """ValueError unless ``g_min`` (the declared lower bound of g) is a number in [-5, 0) or None."""
+    if g_min is not None and (isinstance(g_min, bool) or not isinstance(g_min, (int, float)) or not -5.0 <= g_min < 0.0):
+        raise ValueError(f"g_min (the declared lower bound of g) must be a number in [-5, 0) or None, got {g_min!r}")
+
+
+def check_flags(**flags) -> None:
+    """ValueError naming the first flag that is not a bool (a string such as "no" is truthy)."""
+    for name, x in flags.items():
+        if not isinstance(x, bool):
+            raise ValueError(f"{name} must be a bool (True or False), got {x!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     """ValueError unless ``chunk_size`` is a positive int that is a multiple of the 16-token
     sub-chunk (or a single sub-chunk shorter than 16)."""
@@ -168,8 +181,7 @@ def check_inputs(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_chunk_size(chunk_size)
-    if g_min is not None and (isinstance(g_min, bool) or not isinstance(g_min, (int, float)) or not -5.0 <= g_min < 0.0):
-        raise ValueError(f"g_min (the declared lower bound of g) must be in [-5, 0) or None, got {g_min}")
+    check_g_min(g_min)
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):
         raise ValueError(f"initial_state must be a torch.Tensor [N, H, K, V] or None, got {type(initial_state).__name__}")
     if initial_state is not None and not initial_state.is_floating_point():
@@ -200,7 +212,8 @@ def check_inputs(
         lo, hi = ranges["g"]
         if not math.isfinite(lo) or not math.isfinite(hi) or hi > 0:
             raise ValueError(f"g is a log decay and must be finite and <= 0; min(g) = {lo:.4g}, max(g) = {hi:.4g}")
-        if g_min is not None and lo < g_min:
+        # a gate computed in g's dtype reaches g_min rounded to that dtype (fp32(-4.3) < -4.3)
+        if g_min is not None and lo < min(g_min, torch.tensor(g_min, dtype=g.dtype).item()):
             raise ValueError(
                 f"g must lie in [g_min, 0] = [{g_min}, 0] (the declared gate bound); min(g) = {lo:.4g}. "
                 "Bound the gate (g = g_min * sigmoid(.)) or pass g_min=None (any g <= 0)"
@@ -545,16 +558,17 @@ def check_gate_args(q, g, A_log, dt_bias, *, use_gate_in_kernel: bool, g_min) ->
                          "g = g_min * sigmoid(exp(A_log) * (g + dt_bias)) (flash-linear-attention's lower_bound), "
                          "or g_min=None for g = -exp(A_log) * softplus(g + dt_bias) (its default)")
     if use_gate_in_kernel:
+        check_g_min(g_min)
         if q.dim() != 4 or g.shape != q.shape:
             raise ValueError(f"with use_gate_in_kernel, g (the gate's pre-activation) must be [B, T, H, K] like q "
                              f"{list(q.shape)}, got {_shape(g)}")
-        H, K = q.shape[2], q.shape[3]
+        H, K = q.shape[2], q.shape[3]  # H: the value heads HV (q is expanded to them under GVA)
         if not isinstance(A_log, torch.Tensor) or tuple(A_log.shape) != (H,) or not A_log.is_floating_point():
-            raise ValueError(f"A_log must be a float tensor [H] = [{H}] with use_gate_in_kernel, got "
-                             f"{_shape(A_log) if isinstance(A_log, torch.Tensor) else A_log!r}")
+            raise ValueError(f"A_log must be a float tensor [HV] = [{H}] (one per value head) with "
+                             f"use_gate_in_kernel, got {_shape(A_log) if isinstance(A_log, torch.Tensor) else A_log!r}")
         if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or not dt_bias.is_floating_point()
                                     or tuple(dt_bias.shape) not in ((H * K,), (H, K))):
-            raise ValueError(f"dt_bias must be a float tensor [H * K] = [{H * K}] or [H, K] = [{H}, {K}], got "
+            raise ValueError(f"dt_bias must be a float tensor [HV * K] = [{H * K}] or [HV, K] = [{H}, {K}], got "
                              f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else dt_bias!r}")
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
             if x is not None and x.device != g.device:
@@ -764,7 +778,7 @@ def chunk_kda(
             g_min * sigmoid(exp(A_log) * (g + dt_bias)), or -exp(A_log) * softplus(g + dt_bias)
             when g_min is None. g_min must then be passed explicitly
             (flash-linear-attention's default gate is the softplus one, kda_cp's default bound -5).
-            A_log: [H]; dt_bias: [H * K] or [H, K] or None.
+            A_log: [HV]; dt_bias: [HV * K] or [HV, K] or None (HV = H without GVA).
         use_beta_sigmoid_in_kernel: beta is a pre-activation; the op applies sigmoid (2 * sigmoid
             with allow_neg_eigval, as flash-linear-attention).
             These three are differentiable in every input, A_log and dt_bias included. With
@@ -787,13 +801,17 @@ def chunk_kda(
         ValueError: shapes, dtypes or devices that do not fit (the message names the argument and
             the expected shape), g > 0 or g < g_min, NaN/Inf in an input, beta outside [0, 1]
             (the last three with check_gate), malformed cu_seqlens, a bad chunk_size or scale,
-            A_log not [H], dt_bias not [H * K] / [H, K] or g_min not given with use_gate_in_kernel.
+            A_log not [HV], dt_bias not [HV * K] / [HV, K] or g_min not given with
+            use_gate_in_kernel; a flag (output_final_state, check_gate, use_*) that is not a bool.
         NotImplementedError: backend="tilelang" for inputs the kernels do not cover; in backward,
             a double backward (``create_graph=True``).
 
     Numerics:
         Exponentials, cumsums, the triangular solve and the state are fp32 (fp64 for fp64 inputs).
     """
+    check_flags(output_final_state=output_final_state, check_gate=check_gate,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
     if cu_seqlens is not None and isinstance(q, torch.Tensor):
         # Read once here; the stages get kda_cp's copy on q's device, whose host values are
         # recorded, so no later stage reads it back (each read would wait for the GPU).
@@ -832,6 +850,7 @@ def chunk_kda(
         return GatedChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, fused, opts, beta_scale)
     if use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None or dt_bias is not None:
         if check_gate and isinstance(g, torch.Tensor) and isinstance(beta, torch.Tensor):
+            check_gate_args(q, g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, g_min=g_min)
             check_preactivations(g, beta, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel,
                                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
         q, k, g, beta = apply_input_options(

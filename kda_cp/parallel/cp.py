@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
-from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_inputs,
-                        check_preactivations, check_scale, chunk_kda, dense_on_cuda, expand_value_heads,
-                        first_order_only, get_backend, segmented)
+from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_flags,
+                        check_gate_args, check_inputs, check_preactivations, check_scale, chunk_kda, dense_on_cuda,
+                        expand_value_heads, first_order_only, get_backend, segmented)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
 from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
@@ -462,10 +462,14 @@ def cp_chunk_kda(
     rank, size = group_rank_and_size(cp_group)
     error, cu_code, unsupported = None, [0, 0], None
     try:
+        check_flags(output_final_state=output_final_state, check_gate=check_gate,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
         q, k = expand_value_heads(q, k, v)
         if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel or A_log is not None \
                 or dt_bias is not None:
             if check_gate and isinstance(g, torch.Tensor) and isinstance(beta, torch.Tensor):
+                check_gate_args(q, g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, g_min=g_min)
                 check_preactivations(g, beta, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel,
                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
             q, k, g, beta = apply_input_options(
@@ -572,6 +576,12 @@ def cp_chunk_kda(
 
 
 @torch.no_grad()
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)} on {x.device}"
+    return type(x).__name__
+
+
 def cp_chunk_kda_in_one_process(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -591,6 +601,7 @@ def cp_chunk_kda_in_one_process(
     backend: BackendName = "auto",
     scan_method: scan.ScanMethod = "sequential",
     g_min: float | None = -5.0,
+    allow_neg_eigval: bool = False,
 ):
     """Run the CP algorithm for all ``world_size`` shards of a global sequence in one process.
 
@@ -601,24 +612,42 @@ def cp_chunk_kda_in_one_process(
     Args:
         q, k, v, g, beta: the GLOBAL tensors ([B, T, H, *]); shards are cut by ``lengths`` (default
             the even split of :func:`kda_cp.parallel.shard_bounds`).
-        cu_seqlens, initial_state, output_final_state, scale, chunk_size, backend, g_min: as in
-            :func:`cp_chunk_kda`.
-        do, dfinal: gradients of o and of the final states; when ``do`` is given the backward runs.
+        cu_seqlens, initial_state, output_final_state, scale, chunk_size, backend, g_min,
+            allow_neg_eigval: as in :func:`cp_chunk_kda`.
+        do: gradient of o, [B, T, H, V] like v; when given, the backward runs.
+        dfinal: gradient of the final states [N, H, K, V] (with output_final_state and do only).
 
     Returns:
         (o [B, T, H, V], final_state or None, grads or None) with grads = (dq, dk, dv, dg, dbeta,
         dh0) of <o, do> + <final_state, dfinal>; dh0 is None without an initial state.
 
     Raises:
-        ValueError: as :func:`kda_cp.chunk_kda` for the global inputs, and for bad lengths.
+        ValueError: as :func:`kda_cp.chunk_kda` for the global inputs; bad world_size, lengths or
+            scan_method; do not shaped like v; dfinal not [N, H, K, V], or given without
+            output_final_state and do.
     """
     from kda_cp.parallel.sharding import shard_bounds
 
+    check_flags(output_final_state=output_final_state)
     cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
-    check_inputs(q, k, v, g, beta, initial_state, cu, chunk_size, True, g_min)
+    check_inputs(q, k, v, g, beta, initial_state, cu, chunk_size, True, g_min, allow_neg_eigval=allow_neg_eigval)
     check_scale(scale)
+    if scan_method not in ("sequential", "log_depth"):
+        raise ValueError(f"scan_method must be 'sequential' or 'log_depth', got {scan_method!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
+    n_states = B if cu is None else cu.numel() - 1
+    if do is not None and (not isinstance(do, torch.Tensor) or not do.is_floating_point()
+                           or tuple(do.shape) != tuple(v.shape) or do.device != v.device):
+        raise ValueError(f"do (the gradient of o) must be a float tensor shaped like v, {list(v.shape)}, on "
+                         f"{v.device}, got {_describe(do)}")
+    if dfinal is not None:
+        if not output_final_state or do is None:
+            raise ValueError("dfinal (the gradient of the final states) needs output_final_state=True and do")
+        want = [n_states, H, K, V]
+        if not isinstance(dfinal, torch.Tensor) or not dfinal.is_floating_point() or list(dfinal.shape) != want \
+                or dfinal.device != v.device:
+            raise ValueError(f"dfinal must be a float tensor [N, H, K, V] = {want} on {v.device}, got {_describe(dfinal)}")
     bounds = shard_bounds(T, world_size, lengths)
     if any(b <= a for a, b in bounds):
         raise ValueError(f"every shard must hold at least one token, got bounds {bounds}")

@@ -59,12 +59,18 @@ def group_rank_and_size(group) -> tuple[int, int]:
     ``group=None`` of torch.distributed's collectives it never means the default group.
 
     Raises:
-        ValueError: this process is not a member of ``group`` (``dist.new_group`` hands ranks
-            outside the group a placeholder of no size).
+        ValueError: ``group`` is not a ProcessGroup; this process is not a member of ``group``
+            (``dist.new_group`` hands ranks outside the group a placeholder of no size).
     """
-    if group is None or not dist.is_available() or not dist.is_initialized():
+    if group is None:
         return 0, 1
-    rank = dist.get_rank(group)
+    # dist.new_group hands ranks outside the group an int placeholder (GroupMember.NON_GROUP_MEMBER)
+    outside = dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER
+    if not outside and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise ValueError(f"cp_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_initialized():
+        return 0, 1
+    rank = -1 if outside else dist.get_rank(group)
     if rank < 0:
         raise ValueError(
             f"this process (global rank {dist.get_rank()} of {dist.get_world_size()}) is not a member of the given "

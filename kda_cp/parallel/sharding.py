@@ -24,10 +24,12 @@ def shard_bounds(total: int, world_size: int, lengths: list[int] | None = None) 
             the even split floor(r * T / P).
 
     Raises:
-        ValueError: world_size < 1, or lengths of the wrong count/sum or negative.
+        ValueError: world_size not an int >= 1, or lengths not ints, of the wrong count or sum, or negative.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if lengths is not None and any(isinstance(n, bool) or not isinstance(n, int) for n in lengths):
+        raise ValueError(f"lengths must be ints (one shard length per rank), got {lengths!r}")
     if lengths is None:
         cuts = [(r * total) // world_size for r in range(world_size + 1)]
     else:

@@ -213,3 +213,11 @@ def test_a_rank_outside_the_group_is_told_so():
     hands non-members a placeholder whose size reads -1)."""
     for msg in run_ranks(_non_member_rank, 2)[1]:
         assert "(global rank 1 of 2) is not a member of the given cp_group" in msg and "-1" not in msg, msg
+
+
+@pytest.mark.parametrize("group", ["world", 3, object()], ids=["str", "int", "object"])
+def test_a_cp_group_that_is_not_a_process_group_is_refused(group):
+    """Without an initialized process group, a string or an int as cp_group used to run as no CP."""
+    q, k, v, g, beta, _ = make_inputs(1, 20, 2, 8, 8, seed=5)
+    with pytest.raises(ValueError, match="cp_group must be a torch.distributed ProcessGroup or None"):
+        cp_chunk_kda(q, k, v, g, beta, cp_group=group)

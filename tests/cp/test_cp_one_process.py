@@ -47,3 +47,44 @@ def test_one_process_cp_checks_the_scale(scale):
     q, k, v, g, beta, _ = make_inputs(1, 20, 2, 8, 8)
     with pytest.raises(ValueError, match="scale"):
         cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=2, scale=scale)
+
+
+def test_one_process_cp_with_negative_eigenvalues_equals_recurrence():
+    """beta in (0, 2) with allow_neg_eigval: the shards' maps and their scan are unchanged."""
+    q, k, v, g, beta, _ = make_inputs(1, 130, 2, 8, 6, seed=31)
+    beta = 2 * beta
+    assert beta.max() > 1.5
+    do = torch.randn(1, 130, 2, 6, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o_ref, _ = naive_recurrent_kda(*leaves)
+    (o_ref * do).sum().backward()
+    with pytest.raises(ValueError, match=r"beta .* must lie in \[0, 1\]"):
+        cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=3)
+    o, _, grads = cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=3, lengths=[50, 1, 79], do=do,
+                                              allow_neg_eigval=True)
+    assert_close("o", o_ref, o, 1e-10)
+    for name, leaf, got in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, grads):
+        assert_close(name, leaf.grad, got, 1e-10)
+
+
+def test_one_process_cp_bad_arguments_name_what_was_expected():
+    q, k, v, g, beta, _ = make_inputs(1, 60, 2, 8, 6, seed=3)
+    do = torch.randn(1, 60, 2, 6, dtype=torch.float64)
+    dfinal = torch.randn(1, 2, 8, 6, dtype=torch.float64)
+    cases = [
+        (dict(world_size=2, do=torch.randn(1, 61, 2, 6, dtype=torch.float64)), r"do \(the gradient of o\) must .* \[1, 60, 2, 6\]"),
+        (dict(world_size=2, do=do[..., :5]), r"do \(the gradient of o\) must"),
+        (dict(world_size=2, do=do, dfinal=dfinal), "dfinal .* needs output_final_state=True and do"),
+        (dict(world_size=2, output_final_state=True, dfinal=dfinal), "dfinal .* needs output_final_state=True and do"),
+        (dict(world_size=2, output_final_state=True, do=do, dfinal=dfinal[..., :5]),
+         r"dfinal must be a float tensor \[N, H, K, V\] = \[1, 2, 8, 6\]"),
+        (dict(world_size=True), "world_size must be an int >= 1, got True"),
+        (dict(world_size=2.0), "world_size must be an int >= 1, got 2.0"),
+        (dict(world_size=2, lengths=[30.0, 30.0]), "lengths must be ints"),
+        (dict(world_size=2, lengths=[True, 59]), "lengths must be ints"),
+        (dict(world_size=2, scan_method="foo"), "scan_method must be 'sequential' or 'log_depth'"),
+        (dict(world_size=2, output_final_state="yes"), "output_final_state must be a bool"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            cp_chunk_kda_in_one_process(q, k, v, g, beta, **kw)

@@ -143,3 +143,10 @@ def test_bad_state_dicts_raise():
         export_kda_state_dict({**ours, "extra": torch.zeros(1)}, cfg)
     with pytest.raises(ValueError, match="q/k/v_proj weights differ in dtype"):
         import_kda_state_dict({**sd, "q_proj.weight": sd["q_proj.weight"].float()}, cfg)
+    for fn in (import_kda_state_dict, export_kda_state_dict):
+        with pytest.raises(TypeError, match="sd must be a state dict .* got NoneType"):
+            fn(None, cfg)
+        with pytest.raises(TypeError, match="sd must be a state dict .* got list"):
+            fn(list(sd.items()), cfg)
+        with pytest.raises(TypeError, match="config must be a kda_cp.layers.KDAConfig, got str"):
+            fn(sd, "fla")

@@ -211,6 +211,30 @@ def test_layer_empty_sequence():
                                            for p in layer.parameters())
 
 
+def test_layer_empty_sequence_with_a_low_rank_output_gate():
+    """The fla / Kimi Linear layouts have a low-rank output gate; T = 0 still gives [B, 0, D]."""
+    layer = KDALayer(KDAConfig(**CFG, output_gate_rank=4))
+    x = torch.randn(1, 0, CFG["d_model"], requires_grad=True)
+    y = layer(x)
+    assert y.shape == (1, 0, CFG["d_model"])
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(g_min=None, decay_init_max=100.0), "decay_init_max = 100.0 give an initial gate bias .* below 88"),
+    (dict(decay_init_min=4.9999999, decay_init_max=4.9999999), "stay below -g_min = 5.0 in fp32"),
+    (dict(g_min="x"), "KDAConfig.g_min must be a number or None, got 'x'"),
+    (dict(norm_eps="1e-6"), "KDAConfig.norm_eps must be a number, got '1e-6'"),
+])
+def test_config_refuses_an_initial_gate_that_is_not_finite(kw, pattern):
+    """An infinite initial gate bias gives a finite g but NaN gradients in A_log at the first step."""
+    with pytest.raises(ValueError, match=pattern):
+        KDAConfig(**{**CFG, **kw})
+    near = KDALayer(KDAConfig(**{**CFG, "g_min": None, "decay_init_max": 80.0}))  # near the limit
+    assert torch.isfinite(near.g_up.bias).all()
+
+
 def test_fp64_layer_under_cpu_autocast_stays_fp64():
     """Autocast leaves fp64 alone (torch casts only other floating dtypes): an fp64 layer under a
     bf16 autocast region gives exactly its result outside it; an fp32 one returns bf16, as

@@ -85,11 +85,11 @@ def test_bad_gate_parameters():
     T, H, K, V = 12, 2, 4, 4
     q, k, v, z, b, A_log, dt_bias = (x.detach() for x in _raw(T, H, K, V, seed=1))
     gate = dict(use_gate_in_kernel=True, g_min=-5.0)
-    with pytest.raises(ValueError, match=r"A_log must be a float tensor \[H\] = \[2\]"):
+    with pytest.raises(ValueError, match=r"A_log must be a float tensor \[HV\] = \[2\]"):
         chunk_kda(q, k, v, z, b, A_log=A_log[:1], dt_bias=dt_bias, **gate)
     with pytest.raises(ValueError, match=r"A_log must be"):
         chunk_kda(q, k, v, z, b, dt_bias=dt_bias, **gate)
-    with pytest.raises(ValueError, match=r"dt_bias must be a float tensor \[H \* K\] = \[8\]"):
+    with pytest.raises(ValueError, match=r"dt_bias must be a float tensor \[HV \* K\] = \[8\]"):
         chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias[:-1], **gate)
     with pytest.raises(ValueError, match="use_gate_in_kernel=True"):
         chunk_kda(q, k, v, z, b, A_log=A_log)
@@ -100,6 +100,22 @@ def test_bad_gate_parameters():
         chunk_kda(q, k, v, z, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
     with pytest.raises(ValueError, match="g is a log decay"):  # without the option, z is taken as g
         chunk_kda(q, k, v, z, b)
+    # the argument checks come before the value checks, which would read a list as a tensor
+    with pytest.raises(ValueError, match=r"A_log must be a float tensor \[HV\] = \[2\].*got \[0.0, 0.0\]"):
+        chunk_kda(q, k, v, z, b, A_log=[0.0, 0.0], **gate)
+    with pytest.raises(ValueError, match=r"dt_bias must be a float tensor"):
+        chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias.tolist(), **gate)
+    with pytest.raises(ValueError, match=r"g_min .* must be a number in \[-5, 0\) or None, got 'x'"):
+        chunk_kda(q, k, v, z, b, A_log=A_log, use_gate_in_kernel=True, g_min="x")
+    for flag in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "output_final_state",
+                 "check_gate"):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool"):  # "no" would be truthy
+            chunk_kda(q, k, v, z, b, **{flag: "no"})
+    # GVA: the gate's parameters have one row per value head (HV = 4 here, H = 2)
+    v4 = torch.cat([v, v], dim=2)
+    z4, b4 = torch.cat([z, z], dim=2), torch.cat([b, b], dim=2)
+    with pytest.raises(ValueError, match=r"A_log must be a float tensor \[HV\] = \[4\]"):
+        chunk_kda(q, k, v4, z4, b4, A_log=A_log, **gate)
 
 
 @pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded", "softplus"])

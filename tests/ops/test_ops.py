@@ -109,10 +109,35 @@ def test_gate_below_the_declared_bound(inputs):
         chunk_kda(q, k, v, g, beta)
     with pytest.raises(ValueError, match=r"g must lie in \[g_min, 0\] = \[-2.0, 0\]"):
         chunk_kda(q, k, v, g.clamp(min=-5), beta, g_min=-2.0)
-    with pytest.raises(ValueError, match=r"g_min .* must be in \[-5, 0\)"):
+    with pytest.raises(ValueError, match=r"g_min .* must be a number in \[-5, 0\)"):
         chunk_kda(q, k, v, g, beta, g_min=-6.0)
     o, _ = chunk_kda(q, k, v, g, beta, g_min=None)  # no declared bound: the torch backend takes any g <= 0
     assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gate_at_a_bound_that_the_dtype_rounds(dtype):
+    """fp32(-4.3) < -4.3: a saturated g = g_min * sigmoid(.) computed in g's dtype lies at the
+    rounded bound and is accepted; a value below the rounded bound is not."""
+    from kda_cp.reference import naive_recurrent_kda
+
+    gen = torch.Generator().manual_seed(11)
+    T, H, K = 70, 2, 8
+    q = torch.randn(1, T, H, K, generator=gen, dtype=dtype)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(1, T, H, 8, generator=gen, dtype=dtype)
+    beta = torch.rand(1, T, H, generator=gen, dtype=dtype)
+    z = 40 * torch.randn(1, T, H, K, generator=gen, dtype=dtype)  # many saturated sigmoids
+    g = -4.3 * torch.sigmoid(z)
+    assert g.min().item() == torch.tensor(-4.3, dtype=dtype).item()  # the gate reaches the rounded bound
+    o, _ = chunk_kda(q, k, v, g, beta, g_min=-4.3)
+    ref, _ = naive_recurrent_kda(*(x.double() for x in (q, k, v, g, beta)))
+    assert (o.double() - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 1e-12)
+    o2, _ = chunk_kda(q, k, v, z, beta, use_gate_in_kernel=True, A_log=torch.zeros(H, dtype=dtype), g_min=-4.3)
+    torch.testing.assert_close(o2, o, rtol=0, atol=0)
+    g[0, 5, 1, 3] = torch.nextafter(torch.tensor(g.min().item(), dtype=dtype), torch.tensor(-10.0, dtype=dtype))
+    with pytest.raises(ValueError, match=r"g must lie in \[g_min, 0\] = \[-4.3, 0\]"):
+        chunk_kda(q, k, v, g, beta, g_min=-4.3)
 
 
 def test_prepared_forward_is_the_same_forward():
