@@ -2,6 +2,7 @@
 # Set up and run kda_cp on a fresh machine: Python >= 3.10 (with its venv module) and a C++ compiler.
 #
 #   bash scripts/run.sh train [hydra overrides...]   the main job: torchrun --nproc_per_node=2 scripts/train.py
+#                                                     parallel.device=cpu (unless parallel.device is given)
 #   bash scripts/run.sh test  [pytest args...]       the tests: python -m pytest -q
 #
 # Both first make the virtual environment $KDA_VENV (default .venv) if it is missing, and install
@@ -64,6 +65,9 @@ setup() {
 setup
 export PATH="$PWD/$VENV/bin:$PATH"
 case "$verb" in
-  train) exec "$VENV/bin/python" -m torch.distributed.run --nproc_per_node=2 scripts/train.py "$@" ;;
+  train)  # the main job runs on the CPU, also where there are GPUs, unless parallel.device is given
+    device=(parallel.device=cpu)
+    for a in "$@"; do case "$a" in parallel.device=*) device=() ;; esac; done
+    exec "$VENV/bin/python" -m torch.distributed.run --nproc_per_node=2 scripts/train.py "${device[@]}" "$@" ;;
   test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
 esac

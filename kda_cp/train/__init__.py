@@ -49,7 +49,7 @@ from kda_cp.train.config import (
 )
 from kda_cp.train.distributed import Layout, ParallelDims, build_layout, init_distributed
 from kda_cp.train.engine import DeepSpeedEngine, Engine, TorchEngine
-from kda_cp.train.trainer import Trainer, train
+from kda_cp.train.trainer import Trainer, TrainingStopped, train
 
 __all__ = [
     "ConfigError",
@@ -58,6 +58,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "TrainerConfig",
+    "TrainingStopped",
     "to_train_config",
     "Layout",
     "ParallelDims",

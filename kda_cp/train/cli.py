@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kda_cp.checkpoint import CheckpointWriteError
 from kda_cp.train.config import MOVED_MODEL_KEYS, ConfigError, TrainConfig, one_line, to_train_config
-from kda_cp.train.trainer import train
+from kda_cp.train.trainer import TrainingStopped, train
 
 __all__ = ["CONF_DIR", "USAGE", "help_text", "compose_config", "main", "exit_process"]
 
@@ -124,6 +124,8 @@ def compose_config(overrides: list[str]) -> DictConfig:
         text, cause = one_line(exc), exc.__cause__  # Hydra's "Error merging override" keeps the reason in its cause
         if cause is not None and one_line(cause) not in text:
             text = f"{text}: {one_line(cause)}"
+        if "LexerNoViableAlt" in text:  # Hydra's grammar takes no ~, space and the like unquoted
+            text += " (quote such a value inside the override: 'trainer.run_dir=\"~/my run\"')"
         raise ConfigError(text) from exc
 
 
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"validation loss {summary['val_loss']:.4f} nats/byte | "
                 f"corpus unigram entropy {summary['unigram_entropy']:.4f} nats/byte"
             )
+    except TrainingStopped as exc:  # on every rank at the same step: rank 0 reports it
+        if rank == 0:
+            print(f"stopped: {exc}", file=sys.stderr, flush=True)
+        status = 128 + exc.signum  # as a process ended by that signal reports itself to a shell
     except Exception as exc:
         if debug:
             raise

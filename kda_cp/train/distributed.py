@@ -197,6 +197,10 @@ def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     torch.set_num_threads(threads)
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"parallel.device={cfg.device} runs each rank on a GPU of its own, but local rank "
+                         f"{local_rank} of {local_world} finds {torch.cuda.device_count()} GPU(s): start at most "
+                         "that many processes per node, or pass parallel.device=cpu")
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -75,8 +75,9 @@ class Engine(abc.ABC):
         """Back-propagate this rank's share of the global mean loss."""
 
     @abc.abstractmethod
-    def reduce(self, loss_sum: torch.Tensor) -> float:
-        """The global loss sum (all ranks' ``loss_sum`` added); the torch path reduces the gradients with it."""
+    def reduce(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
+        """(the global loss sum, whether any rank asks to ``stop``): all ranks' ``loss_sum`` added,
+        the stop flags riding along in the same all-reduce; the torch path reduces the gradients with them."""
 
     @abc.abstractmethod
     def step(self) -> float:
@@ -96,15 +97,19 @@ class Engine(abc.ABC):
         """Restore model, optimizer and scheduler from ``path``; returns the client state."""
 
 
-def _sync_grads_and_loss(params: list[torch.Tensor], loss_sum: torch.Tensor, layout: Layout) -> float:
-    """Sum every rank's gradients (one flat all-reduce, the loss sum riding along); return the summed loss."""
+def _sync_grads_and_loss(params: list[torch.Tensor], loss_sum: torch.Tensor, stop: bool,
+                         layout: Layout) -> tuple[float, bool]:
+    """Sum every rank's gradients (one flat all-reduce, the loss sum and the stop flag riding
+    along); return the summed loss and whether any rank stops."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads + [loss_sum.detach().reshape(1).to(grads[0].dtype)])
+    tail = torch.stack([loss_sum.detach().reshape(()).to(grads[0].dtype), grads[0].new_tensor(float(stop))])
+    flat = _flatten_dense_tensors(grads + [tail])
     if layout.distributed:
         dist.all_reduce(flat)
-    for p, g in zip(params, _unflatten_dense_tensors(flat[:-1], grads)):
+    for p, g in zip(params, _unflatten_dense_tensors(flat[:-2], grads)):
         p.grad = g
-    return float(flat[-1])
+    loss, stops = flat[-2:].tolist()
+    return loss, stops > 0
 
 
 class TorchEngine(Engine):
@@ -128,9 +133,9 @@ class TorchEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def reduce(self, loss_sum: torch.Tensor) -> float:
-        """All-reduce the gradients with the loss sum riding along; returns the global loss sum."""
-        return _sync_grads_and_loss(self.params, loss_sum, self.layout)
+    def reduce(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
+        """All-reduce the gradients with the loss sum and the stop flag riding along."""
+        return _sync_grads_and_loss(self.params, loss_sum, stop, self.layout)
 
     def step(self) -> float:
         """The norm is that of the all-reduced gradients, the same on every rank; a non-finite one
@@ -278,12 +283,14 @@ class DeepSpeedEngine(Engine):
         DeepSpeed averages the reduced gradients over its data-parallel (here dp x cp) group."""
         self.engine.backward(loss * self.world)
 
-    def reduce(self, loss_sum: torch.Tensor) -> float:
-        """The loss sum all-reduced on its own (DeepSpeed reduces the gradients inside backward/step)."""
-        total = loss_sum.detach().reshape(1).clone()
+    def reduce(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
+        """The loss sum and the stop flag all-reduced on their own (DeepSpeed reduces the gradients
+        inside backward/step)."""
+        total = torch.stack([loss_sum.detach().reshape(()), loss_sum.new_tensor(float(stop))])
         if self.layout.distributed:
             dist.all_reduce(total)
-        return float(total)
+        loss, stops = total.tolist()
+        return loss, stops > 0
 
     def step(self) -> float | None:
         """DeepSpeed's global gradient norm of the step, None where it reports none."""

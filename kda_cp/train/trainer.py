@@ -15,7 +15,9 @@ import math
 import os
 import random
 import shutil
+import signal
 import socket
+import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime, timezone
@@ -109,9 +111,71 @@ class RunDirLock:
             self._fh = None
 
 
+class TrainingStopped(Exception):
+    """SIGTERM or SIGINT stopped the run at a step boundary, on every rank, after its checkpoint
+    was saved; ``trainer.resume=true`` continues it."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path} saved; "
+                         "continue with trainer.resume=true")
+
+
+class StopSignals:
+    """While :meth:`Trainer.fit` runs (main thread only): SIGTERM and SIGINT are noted instead of
+    ending the process, and the training loop stops at the next step boundary on every rank
+    together (the flag rides in the step's all-reduce) after saving that step. A preempted job or
+    a Ctrl-C keeps its last step. The third signal acts at once, as without this."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._count, self._previous = 0, {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._count += 1
+        if self.received is None:
+            self.received = signum
+            logger.warning("%s received: stopping after this step, once its checkpoint is saved (a third "
+                           "signal stops at once)", signal.Signals(signum).name)
+        if self._count >= 3:
+            self.__exit__()
+            signal.raise_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
 def corpus_digest(data: np.ndarray) -> dict:
     """What a checkpoint records of the corpus it was trained on: its size and sha256."""
     return {"bytes": int(data.size), "sha256": hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()}
+
+
+def _used_by_a_run(run_dir: Path) -> str:
+    """Why a fresh run must not write ``run_dir`` (it holds a run's checkpoints or metrics, or a
+    file of RUN_FILES, which it would overwrite), or "" when it may."""
+    ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
+        return (f"trainer.run_dir={run_dir} already holds a run (checkpoints or metrics.jsonl) that a fresh "
+                "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        return f"trainer.run_dir={run_dir}: {ckpt_dir} is a file; checkpoints are written into that directory"
+    taken = [n for n in RUN_FILES if (run_dir / n).exists()]  # never overwrite what someone else put there
+    if taken == ["config.yaml"] and (run_dir / ".lock").is_file() and metrics.is_file():
+        taken = []  # what a run killed before its first step leaves (with an empty metrics.jsonl): reusable
+    if taken:
+        return (f"trainer.run_dir={run_dir} already holds {', '.join(taken)}, which a fresh run would "
+                "overwrite: choose a new trainer.run_dir (or trainer.resume=true to continue a run)")
+    return ""
 
 
 def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
@@ -123,10 +187,10 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
     Raises:
         ConfigError: on every rank, when a fresh run is pointed at a used run directory, or run_dir is a file.
     """
-    run_dir, error = cfg.run_dir, ""
+    run_dir, error = (None if cfg.run_dir is None else str(Path(cfg.run_dir).expanduser())), ""  # ~ as data.path
     if layout.rank == 0:
         if run_dir is None:  # a name not taken now; Trainer.fit claims it atomically (RunDirLock)
-            stamp = str(Path(cfg.runs_root) / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+            stamp = str(Path(cfg.runs_root).expanduser() / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
             run_dir, n = stamp, 0
             while Path(run_dir).exists():
                 n += 1
@@ -134,17 +198,7 @@ def _resolve_run_dir(cfg: TrainerConfig, layout: Layout) -> Path:
         elif Path(run_dir).exists() and not Path(run_dir).is_dir():
             error = f"trainer.run_dir must be a directory (or not exist yet), not a file: {run_dir}"
         elif not cfg.resume:
-            ckpt_dir, metrics = Path(run_dir) / "checkpoints", Path(run_dir) / "metrics.jsonl"
-            if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
-                error = (f"trainer.run_dir={run_dir} already holds a run (checkpoints or metrics.jsonl) that a fresh "
-                         "run would overwrite: pass trainer.resume=true to continue it, or choose a new trainer.run_dir")
-            elif ckpt_dir.exists() and not ckpt_dir.is_dir():
-                error = f"trainer.run_dir={run_dir}: {ckpt_dir} is a file; checkpoints are written into that directory"
-            else:  # files a fresh run writes: never overwrite what someone else put there
-                taken = [n for n in RUN_FILES if (Path(run_dir) / n).exists()]
-                if taken:
-                    error = (f"trainer.run_dir={run_dir} already holds {', '.join(taken)}, which a fresh run would "
-                             "overwrite: choose a new trainer.run_dir (or trainer.resume=true to continue a run)")
+            error = _used_by_a_run(Path(run_dir))
     run_dir, error = broadcast_object((run_dir, error), layout)
     if error:
         raise ConfigError(error)
@@ -209,6 +263,7 @@ class Trainer:
         self.global_tokens = cfg.data.batch_size * cfg.data.seq_len
         self.n_gpus = layout.world_size if layout.device.type == "cuda" else 0
         self.train_time, self.tok_rates, self.mfus = 0.0, [], []
+        self.signals, self.stop_requested = StopSignals(), False  # installed by fit()
         self.start_step = self.resume() if cfg.trainer.resume else 0
 
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -245,7 +300,8 @@ class Trainer:
         x, y = self.corpus.train_batch(step, layout.dp_rank, layout.dp, layout.cp_rank, layout.cp)
         loss_sum = self.loss_sum(x, y)
         engine.backward(loss_sum / self.global_tokens)
-        loss = engine.reduce(loss_sum) / self.global_tokens
+        loss, self.stop_requested = engine.reduce(loss_sum, self.signals.received is not None)
+        loss /= self.global_tokens
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}: training stops before this step is "
                                      "applied or saved; the checkpoints hold earlier steps")
@@ -302,7 +358,10 @@ class Trainer:
             if layout.rank == 0:
                 found = ckpts.latest(before)
                 skipped += ckpts.skipped
-                if found is not None:
+                if found is None and not self.run_dir.is_dir():
+                    why = (f"trainer.resume=true: trainer.run_dir={self.run_dir} does not exist: pass the directory "
+                           "of the run to continue (the one holding config.yaml and checkpoints/)")
+                elif found is not None:
                     saved_ranks = len(list(found.path.glob("rng_rank*.pt")))
                     if found.step > cfg.trainer.max_steps:
                         why = (f"trainer.resume: the newest checkpoint {found.path} is at step {found.step}, past "
@@ -383,6 +442,12 @@ class Trainer:
                         created = False
                 self._lock = RunDirLock(run_dir)
                 error = self._lock.acquire()
+                if error is None and not created and not cfg.trainer.resume:
+                    # checked again under the lock: a run that held the directory since __init__'s
+                    # check may have finished there (two fresh runs given one trainer.run_dir)
+                    error = _used_by_a_run(run_dir) or None
+                    if error is not None:
+                        self._lock.release()
                 if error is None:
                     (run_dir / "checkpoints").mkdir(exist_ok=True)
             except OSError as exc:
@@ -427,6 +492,8 @@ class Trainer:
             CheckpointWriteError: writing a checkpoint failed (e.g. a full disk), on every rank.
             FloatingPointError: the loss or the gradient norm became NaN/Inf (on every rank at the
                 same step, before that step is saved).
+            TrainingStopped: SIGTERM or SIGINT arrived (:class:`StopSignals`): the run stopped at
+                the next step boundary, on every rank, after saving that step.
         """
         cfg, layout, is_main = self.cfg, self.layout, self.is_main
         start_step, entropy = self.start_step, self.entropy
@@ -480,29 +547,35 @@ class Trainer:
         )
         self.engine.train()
         try:
-            for step in range(start_step, cfg.trainer.max_steps):
-                entry = self.step(step)
-                metrics.record(entry)
-                created = False  # a step is recorded: the run directory stays whatever happens next
-                loss, tok_s, lr = entry["loss"], entry["tokens_per_s"], entry["lr"]
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}",
-                                **({"mfu": f"{entry['mfu']:.1%}"} if self.n_gpus else {}))
-                bar.update(1)
-                done = step + 1
-                if is_main and (done % cfg.trainer.log_every == 0 or done == 1):
-                    logger.info("step %d loss %.4f tokens/s %.0f lr %.2e", done, loss, tok_s, lr)
-                if cfg.trainer.val_every and done % cfg.trainer.val_every == 0 and done < cfg.trainer.max_steps:
-                    val_loss = self.evaluate()
-                    metrics.record({"step": done, "val_loss": val_loss})
-                    if is_main:
-                        logger.info("step %d val_loss %.4f (unigram entropy %.4f)", done, val_loss, entropy)
-                if cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0 and done < cfg.trainer.max_steps:
-                    self.save_checkpoint(done)
-            bar.close()
-            val_loss = self.evaluate()
-            if not finished:  # a finished run has both already
-                metrics.record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
-                self.save_checkpoint(cfg.trainer.max_steps)
+            with self.signals:  # SIGTERM / SIGINT: stop at the next step boundary, its checkpoint saved
+                for step in range(start_step, cfg.trainer.max_steps):
+                    entry = self.step(step)
+                    metrics.record(entry)
+                    created = False  # a step is recorded: the run directory stays whatever happens next
+                    loss, tok_s, lr = entry["loss"], entry["tokens_per_s"], entry["lr"]
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}",
+                                    **({"mfu": f"{entry['mfu']:.1%}"} if self.n_gpus else {}))
+                    bar.update(1)
+                    done = step + 1
+                    if is_main and (done % cfg.trainer.log_every == 0 or done == 1):
+                        logger.info("step %d loss %.4f tokens/s %.0f lr %.2e", done, loss, tok_s, lr)
+                    if self.stop_requested and done < cfg.trainer.max_steps:  # agreed in the step's all-reduce
+                        self.save_checkpoint(done)
+                        raise TrainingStopped(self.signals.received or signal.SIGTERM, done,
+                                              self.ckpts.path(done))
+                    if cfg.trainer.val_every and done % cfg.trainer.val_every == 0 and done < cfg.trainer.max_steps:
+                        val_loss = self.evaluate()
+                        metrics.record({"step": done, "val_loss": val_loss})
+                        if is_main:
+                            logger.info("step %d val_loss %.4f (unigram entropy %.4f)", done, val_loss, entropy)
+                    if cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0 \
+                            and done < cfg.trainer.max_steps:
+                        self.save_checkpoint(done)
+                bar.close()
+                val_loss = self.evaluate()
+                if not finished:  # a finished run has both already
+                    metrics.record({"step": cfg.trainer.max_steps, "val_loss": val_loss})
+                    self.save_checkpoint(cfg.trainer.max_steps)
         except BaseException:
             metrics.close()
             self._abandon(created)  # created: failed before its first step

@@ -85,6 +85,20 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+def _start_until_records(cmd, run: Path, n: int, env) -> subprocess.Popen:
+    """Start a training command (its own session) and return once its metrics.jsonl holds ``n``
+    records; fails, killing it, when it ends or takes 180 s before that."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= n:
+            return proc
+        time.sleep(0.02)
+    kill_tree(proc)
+    raise AssertionError(f"the run ended or stalled before {n} records: " + proc.stderr.read()[-3000:])
+
+
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
     """SIGKILL rank 1 while both ranks train: the job (torchrun and rank 0) ends, non-zero, within
@@ -92,15 +106,8 @@ def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train.py",
            *TINY, "parallel.cp=2", "trainer.max_steps=100000", f"trainer.run_dir={run}", "parallel.timeout_s=120"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = _start_until_records(cmd, run, 2, ENV)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()[-3000:]
         workers = {_rank_of(p): p for p in descendants(proc.pid)}
         assert {0, 1} <= set(workers), workers
         os.kill(workers[1], signal.SIGKILL)
@@ -116,6 +123,47 @@ def test_killed_rank_ends_the_job_in_bounded_time(tmp_path):
                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a rank survived"
     steps = [m["step"] for m in _records(run) if "loss" in m]
     assert steps[:2] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, sig", [("python", signal.SIGINT), ("torchrun", signal.SIGTERM)],
+                         ids=["python-SIGINT", "torchrun-SIGTERM"])
+def test_a_stop_signal_saves_the_step_and_the_resume_matches_an_unstopped_run(tmp_path, launcher, sig):
+    """Ctrl-C (SIGINT) of one process, or a scheduler's SIGTERM to torchrun: every rank stops at the
+    same step boundary after saving that step's checkpoint (checkpoint_every=0 would otherwise
+    keep nothing) and exits non-zero, and trainer.resume=true then gives the loss curve of a run
+    that never stopped, bitwise."""
+    steps = 300
+    args = [*TINY, f"trainer.max_steps={steps}"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train.py",
+               *args, "parallel.cp=2"]
+    else:
+        clean = {k: v for k, v in ENV.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+        cmd = [sys.executable, "scripts/train.py", *args, "parallel.cp=1"]
+    env = ENV if launcher == "torchrun" else clean
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    proc = _start_until_records([*cmd, f"trainer.run_dir={run}"], run, 3, env)
+    try:
+        os.kill(proc.pid, sig)
+        _, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    stopped = [m["step"] for m in _records(run) if "loss" in m]
+    n = stopped[-1]
+    assert 3 <= n < steps, (n, err[-3000:])
+    # one process exits 128 + signal; torchrun, itself stopped by the signal, exits 1 once the ranks end
+    assert proc.returncode == (128 + sig if launcher == "python" else 1), err[-3000:]
+    assert f"stopped: stopped by {sig.name} after step {n}: checkpoint " in err, err[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_{n:08d}"]
+    assert not (run / "summary.json").exists()
+    resumed = run_command([*cmd, f"trainer.run_dir={run}", "trainer.resume=true"], cwd=ROOT, env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = run_command([*cmd, f"trainer.run_dir={ref}"], cwd=ROOT, env=env, timeout=240)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    strip = [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in _records(run)]
+    assert strip == [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in _records(ref)]
 
 
 def _group_timeout_rank(rank, world, timeout_s):
@@ -359,6 +407,20 @@ def test_resume_without_a_checkpoint_refuses(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
+def test_paths_of_the_run_directory(tmp_path, monkeypatch):
+    """~ in trainer.run_dir is the home directory (as in data.path), and resuming a run directory
+    that does not exist says so instead of 'no valid checkpoint'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    summary = train(_cfg([*TINY, "parallel.cp=1", 'trainer.run_dir="~/home run"', "trainer.max_steps=2"]))
+    assert summary["run_dir"] == str(tmp_path / "home run")
+    assert (tmp_path / "home run" / "summary.json").is_file()
+    with pytest.raises(ConfigError, match=r"LexerNoViableAlt.*quote such a value inside the override"):
+        _cfg(["trainer.run_dir=~/unquoted"])
+    with pytest.raises(ConfigError, match=r"trainer.run_dir=\S*missing does not exist: pass the directory of the run"):
+        _run(tmp_path / "missing", "trainer.resume=true")
+    assert not (tmp_path / "missing").exists()
+
+
 def test_help_and_debug_traceback():
     proc = _python(["--help"])
     assert proc.returncode == 0, proc.stderr
@@ -428,8 +490,8 @@ def test_nan_gradients_stop_the_run_before_the_step_is_saved(tmp_path, monkeypat
     real = TorchEngine.reduce
     calls = []
 
-    def poisoned(self, loss_sum):
-        out = real(self, loss_sum)
+    def poisoned(self, loss_sum, stop=False):
+        out = real(self, loss_sum, stop)
         calls.append(1)
         if len(calls) == 2:
             next(iter(self.params)).grad.view(-1)[0] = float("nan")
@@ -490,6 +552,38 @@ def test_a_fresh_run_never_overwrites_what_it_did_not_write(tmp_path):
     with pytest.raises(ConfigError, match="is a file"):
         _run(blocked, "trainer.max_steps=50")
     assert time.time() - t0 < 30 and not (blocked / "metrics.jsonl").exists()
+
+
+def test_a_fresh_run_checks_the_directory_again_under_its_lock(tmp_path):
+    """Two fresh runs given one trainer.run_dir: B passes the check of its constructor, A then runs
+    to the end there and releases the lock; B, taking the lock, must see A's run and refuse,
+    leaving every file of A as it was."""
+    run = tmp_path / "run"
+    b = Trainer(_cfg([*TINY, "parallel.cp=1", f"trainer.run_dir={run}", "trainer.max_steps=3", "optim.lr=1e-3"]))
+    _run(run)
+    before = _files(run)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        b.fit()
+    assert _files(run) == before
+
+
+def test_a_run_killed_before_its_first_step_leaves_a_reusable_directory(tmp_path):
+    """What a run leaves when killed after claiming its directory and before step 1 (.lock,
+    config.yaml, an empty metrics.jsonl, an empty checkpoints/): a fresh run there goes ahead; a
+    user's own config.yaml without those is still refused."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / ".lock").write_text("pid 4242 on elsewhere")
+    (run / "config.yaml").write_text("trainer: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    assert _run(run)["steps"] == 3
+    assert len(_records(run)) == 4  # three steps and the final validation
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own config\n")
+    (mine / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="already holds config.yaml"):
+        _run(mine)
 
 
 def test_an_unwritable_checkpoint_directory_fails_before_the_first_step(tmp_path, monkeypatch):
