@@ -75,7 +75,7 @@ class KDAConfig:
     g_min: float | None = -5.0
     """Lower bound of the per-step log decay g = g_min * sigmoid(.), in [-5, 0) (K3 Eq. 17); None:
     the unbounded gate g = -exp(A_log) * softplus(.) of the released Kimi Linear checkpoints (the
-    op then runs on the torch backend: the kernels need a bound)."""
+    op's general-gate kernels on Hopper)."""
     allow_neg_eigval: bool = False
     """beta = 2 * sigmoid(W_beta x) in [0, 2]: the transition I - beta k k^T may have negative
     eigenvalues (flash-linear-attention's allow_neg_eigval); False: beta = sigmoid(.) in [0, 1]."""
