@@ -276,6 +276,11 @@ class CheckpointManager:
                     found[int(p.name[len(prefix) :])] = p
         return [CheckpointInfo(s, found[s]) for s in sorted(found, reverse=True)]
 
+    def complete_steps(self) -> list[int]:
+        """Steps of the checkpoints whose manifest and files are all there (sizes only, no sha256),
+        newest first."""
+        return [c.step for c in self._candidates() if verify(c.path, hashes=False)[0] is not None]
+
     def latest(self, before: int | None = None) -> CheckpointInfo | None:
         """The newest complete checkpoint (of a step < ``before`` when given), or None.
 

@@ -442,10 +442,10 @@ class Trainer:
                         created = False
                 self._lock = RunDirLock(run_dir)
                 error = self._lock.acquire()
-                if error is None and not created and not cfg.trainer.resume:
+                if error is None and not created:
                     # checked again under the lock: a run that held the directory since __init__'s
-                    # check may have finished there (two fresh runs given one trainer.run_dir)
-                    error = _used_by_a_run(run_dir) or None
+                    # check may have written there (two runs given one trainer.run_dir)
+                    error = self._advanced_error(run_dir) if cfg.trainer.resume else (_used_by_a_run(run_dir) or None)
                     if error is not None:
                         self._lock.release()
                 if error is None:
@@ -471,6 +471,15 @@ class Trainer:
             self._abandon(created)
             raise ConfigError(error)
         return created
+
+    def _advanced_error(self, run_dir: Path) -> str | None:
+        """A resumed run: why it must not go on when the directory holds a complete checkpoint newer
+        than the one it loaded (another run wrote it between loading and locking), else None."""
+        newer = [step for step in self.ckpts.complete_steps() if step > self.start_step]
+        if not newer:
+            return None
+        return (f"trainer.run_dir={run_dir} advanced to step {max(newer)} while this run loaded step {self.start_step} "
+                "(another run wrote it in between): resume again to continue from the newest checkpoint")
 
     def _abandon(self, created: bool) -> None:
         """A run that stops before its first step: release the lock; remove the run directory

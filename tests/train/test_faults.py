@@ -567,6 +567,20 @@ def test_a_fresh_run_checks_the_directory_again_under_its_lock(tmp_path):
     assert _files(run) == before
 
 
+def test_a_resume_refuses_when_the_run_advanced_after_it_loaded(tmp_path):
+    """B loads the step-3 checkpoint; another resume then extends the run to step 5 and ends; B,
+    taking the lock, must refuse rather than train steps 4-5 again over the newer checkpoint."""
+    run = tmp_path / "run"
+    _run(run)
+    b = Trainer(_cfg([*TINY, "parallel.cp=1", f"trainer.run_dir={run}", "trainer.max_steps=5", "trainer.resume=true"]))
+    assert b.start_step == 3
+    assert _run(run, "trainer.max_steps=5", "trainer.resume=true")["start_step"] == 3
+    before = _files(run)
+    with pytest.raises(ConfigError, match="advanced to step 5 while this run loaded step 3"):
+        b.fit()
+    assert _files(run) == before
+
+
 def test_a_run_killed_before_its_first_step_leaves_a_reusable_directory(tmp_path):
     """What a run leaves when killed after claiming its directory and before step 1 (.lock,
     config.yaml, an empty metrics.jsonl, an empty checkpoints/): a fresh run there goes ahead; a
