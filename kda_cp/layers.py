@@ -35,8 +35,10 @@ from kda_cp import glue
 from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens_tensor, chunk_kda
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
-from kda_cp.parallel.layers.conv import agree_conv_inputs, causal_conv1d, halo_exchange
+from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code
+from kda_cp.parallel.layers.conv import causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda
+from kda_cp.parallel.varlen import check_cu_seqlens
 from kda_cp.parallel.layers.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
@@ -189,6 +191,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # .to(x.dtype): under bf16 autocast the input is bf16 and the fp32 weight must follow it.
+        self.cp.rank_and_size()  # a context whose group was pickled away raises here
         return causal_conv1d(x, self.weight.to(x.dtype), None, cp_group=self.cp.group)
 
 
@@ -269,9 +272,10 @@ class KDALayer(nn.Module):
         z = F.linear(self.g_down(x), self.g_up.weight).view(B, T, c.v_heads, c.head_dim)
         return glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min)[0]
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def _check_input(self, x, cu_seqlens):
+        """This rank's checks of forward's arguments (TypeError, ValueError, NotImplementedError);
+        returns cu_seqlens as a tensor on x's device, or None."""
         c = self.config
-        cp_group, cp_strategy = self.cp.group, self.cp.strategy
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
                             f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
@@ -281,14 +285,37 @@ class KDALayer(nn.Module):
         if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
                              "(layer.to(dtype)) or run under torch.autocast")
-        if cu_seqlens is not None and cp_strategy == "ulysses":
+        if cu_seqlens is not None and self.cp.strategy == "ulysses":
             raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
+        if cu_seqlens is None:
+            return None
+        cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
+        check_cu_seqlens_tensor(cu_seqlens)  # its form before the conv reads it; the op checks the values
+        return cu_seqlens
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        cp_group, cp_strategy = self.cp.group, self.cp.strategy
+        rank, size = self.cp.rank_and_size()
+        if size > 1:  # every rank checks its arguments, then all agree: a bad one raises everywhere, never hangs
+            checked = []
+
+            def check():
+                checked.append(self._check_input(x, cu_seqlens))
+                if x.shape[1] < 1:
+                    raise ValueError(f"every rank's shard must hold at least 1 token, got T_r = {x.shape[1]}")
+                cs = [] if checked[0] is None else check_cu_seqlens(checked[0])
+                return x.shape[1], [x.shape[0], c.d_model, self.qkv_proj.out_features, dtype_code(x.dtype),
+                                    c.conv_size, CP_STRATEGIES.index(cp_strategy), len(cs), digest(cs)]
+
+            lengths = check_and_agree(check, cp_group, "KDALayer", ("B", "d_model", "q/k/v width", "dtype", "conv_size",
+                                                                   "strategy", "len(cu_seqlens)", "cu_seqlens digest"),
+                                      device=x.device if isinstance(x, torch.Tensor) else None)
+            cu_seqlens = checked[0]
+        else:
+            cu_seqlens = self._check_input(x, cu_seqlens)
         B, T, _ = x.shape
         H, HV, K, V = c.num_heads, c.v_heads, c.head_dim, c.v_dim
-        rank, size = self.cp.rank_and_size()
-        if cu_seqlens is not None:
-            cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
-            check_cu_seqlens_tensor(cu_seqlens)  # its form before the conv reads it; the op checks the values
         # W_qkv, W_g_down, W_beta and the output gate's first matrix read x in one GEMM; its
         # backward takes the q/k/v gradient as the conv wrote it (no concatenation into one of y's size).
         og_first = self.og_proj[0]
@@ -302,9 +329,7 @@ class KDALayer(nn.Module):
         weight = halo = lags = None
         if c.conv_size > 0:
             weight, start = self.qkv_conv.weight, 0
-            if size > 1:  # every rank checks its shard and agrees before the exchange: nothing hangs
-                lengths = agree_conv_inputs(qkv, weight.to(qkv.dtype), None, cu_seqlens, cp_group, "KDALayer",
-                                            min_length=1)
+            if size > 1:  # the shard lengths were agreed above, before any exchange
                 start = sum(lengths[:rank])
                 halo = halo_exchange(qkv, c.conv_size - 1, cp_group, lengths)
             if cu_seqlens is not None:
@@ -373,11 +398,32 @@ class AttentionLayer(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.d_model, bias=False)
         self.cp = CPContext()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x) -> None:
         c = self.config
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
+                            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
+        w_dtype = self.qkv_proj.weight.dtype
+        if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
+                             "(layer.to(dtype)) or run under torch.autocast")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        lengths = None
+        if self.cp.rank_and_size()[1] > 1:  # the shard lengths with every rank's checks: nothing hangs or aborts
+            def check():
+                self._check_input(x)
+                return x.shape[1], [x.shape[0], c.d_model, c.num_heads * c.head_dim, dtype_code(x.dtype)]
+
+            lengths = check_and_agree(check, self.cp.group, "AttentionLayer", ("B", "d_model", "heads x head_dim",
+                                                                             "dtype"),
+                                      device=x.device if isinstance(x, torch.Tensor) else None)
+        else:
+            self._check_input(x)
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, c.num_heads, c.head_dim).unbind(2)
-        o = cp_attention(q, k, v, cp_group=self.cp.group)
+        o = cp_attention(q, k, v, cp_group=self.cp.group, lengths=lengths)
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim))

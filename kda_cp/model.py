@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig, KDALayer, RMSNorm
+from kda_cp.parallel.exchange import check_and_agree
+from kda_cp.parallel.layers.context import CPContext
 
 __all__ = ["ModelConfig", "KDALanguageModel", "SwiGLU", "train_flops_per_token"]
 
@@ -152,7 +154,8 @@ class KDALanguageModel(nn.Module):
     forward and backward are then collective over the group (every rank in the same order).
 
     Raises:
-        ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size).
+        ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size); under CP on
+            every rank when any rank's input_ids fail or the ranks' batch sizes differ.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -181,15 +184,29 @@ class KDALanguageModel(nn.Module):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
-            raise ValueError(
-                f"input_ids must be [B, T] integer, got shape {tuple(input_ids.shape)} dtype {input_ids.dtype}"
-            )
+    def _check_ids(self, input_ids) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+                or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
+            got = (f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a [B, T] integer tensor, got {got}")
         if input_ids.numel():
             lo, hi = (int(x) for x in torch.aminmax(input_ids))  # one sync; on CUDA a bad id would be a device assert
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {self.config.vocab_size}), got min {lo}, max {hi}")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cp = next((m.cp for m in self.modules() if isinstance(getattr(m, "cp", None), CPContext)), None)
+        if cp is not None and cp.rank_and_size()[1] > 1:
+            # every rank checks its ids and all agree before the first layer's collectives: a bad
+            # shard raises ValueError on every rank instead of leaving the others waiting
+            def check():
+                self._check_ids(input_ids)
+                return input_ids.shape[1], [input_ids.shape[0]]
+
+            check_and_agree(check, cp.group, "KDALanguageModel", ("B",), device=getattr(input_ids, "device", None))
+        else:
+            self._check_ids(input_ids)
         h = self.embed(input_ids.long())
         for block in self.blocks:
             h = block(h)

@@ -181,12 +181,29 @@ def test_model_cp2_matches_unsharded():
 def _bad_cp_rank(rank, world_size, case):
     import torch.distributed as dist
 
+    from kda_cp.layers import AttentionConfig, AttentionLayer
+
     torch.manual_seed(0)
-    layer = KDALayer(KDAConfig(**CFG))
-    T = {"empty-shard": [5, 0], "batch": [6, 6]}[case][rank]
-    B = 2 if case == "batch" and rank == 1 else 1
+    group = dist.group.WORLD
+    T = {"empty-shard": [5, 0]}.get(case, [6, 6])[rank]
+    B = 2 if case in ("batch", "attention-batch") and rank == 1 else 1
+    x = torch.randn(B, T, 32)
     try:
-        parallelize(layer, CPContext(dist.group.WORLD))(torch.randn(B, T, 32))
+        if case == "model-ids":  # a local check that used to leave rank 0 waiting in the first layer
+            model = parallelize(KDALanguageModel(ModelConfig(d_model=32, n_layers=2, layer_pattern="AK",
+                                                             kda=KDAConfig(num_heads=2, head_dim=16))),
+                                CPContext(group))
+            ids = torch.randint(0, 256, (1, 6))
+            ids[0, 0] = 300 if rank == 1 else 0
+            model(ids)
+        elif case == "attention-batch":  # rank 1's batch of 2 used to abort gloo's all-gather (SIGABRT)
+            parallelize(AttentionLayer(AttentionConfig(d_model=32, num_heads=2, head_dim=16)), CPContext(group))(x)
+        else:
+            layer = parallelize(KDALayer(KDAConfig(**CFG)), CPContext(group))
+            if case == "dtype":
+                x = x.double() if rank == 1 else x
+            cu = torch.tensor([0, 3, 12]) if case == "cu-one-rank" and rank == 1 else None
+            layer(x, cu_seqlens=cu)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -195,10 +212,43 @@ def _bad_cp_rank(rank, world_size, case):
 @pytest.mark.parametrize("case,patterns", [
     ("empty-shard", [r"rank\(s\) \[1\] of the cp_group rejected", "at least 1 token"]),
     ("batch", ["ranks disagree on", "ranks disagree on"]),
+    ("dtype", [r"rank\(s\) \[1\] of the cp_group rejected", "x is torch.float64 but the layer's parameters"]),
+    ("cu-one-rank", ["ranks disagree on", "ranks disagree on"]),
+    ("model-ids", [r"KDALanguageModel: rank\(s\) \[1\]", r"input_ids must lie in \[0, vocab_size\)"]),
+    ("attention-batch", ["AttentionLayer: ranks disagree on", "AttentionLayer: ranks disagree on"]),
 ])
 def test_layer_bad_shards_raise_on_every_rank(case, patterns):
     for rank, (msg, pattern) in enumerate(zip(run_ranks(_bad_cp_rank, 2, case, timeout=90), patterns)):
         assert re.search(pattern, msg), f"rank {rank}: {msg}"
+
+
+def _pickled_rank(rank, world_size):
+    import io
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = parallelize(KDALanguageModel(ModelConfig(d_model=32, n_layers=1, kda=KDAConfig(num_heads=2, head_dim=16))),
+                        CPContext(dist.group.WORLD))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ids = torch.randint(0, 256, (1, 8))
+    try:
+        loaded(ids)
+        return "no error"
+    except ValueError as exc:
+        msg = str(exc)
+    parallelize(loaded, CPContext(dist.group.WORLD))
+    return msg, (loaded(ids) - model(ids)).abs().max().item()
+
+
+def test_a_pickled_parallelized_model_refuses_to_run_unsharded():
+    """A process group does not pickle: the loaded model used to run its shard as a whole sequence
+    (a silently wrong answer); it raises until parallelize is called again, then equals the original."""
+    for msg, diff in run_ranks(_pickled_rank, 2, timeout=90):
+        assert "parallelized when it was pickled" in msg and diff == 0.0
 
 
 def test_layer_empty_sequence():

@@ -89,6 +89,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
         q: [B, L, H, D]; k, v: [B, S, H, D] with S = offset + L (the keys a query can see).
         offset: global position of the first query (a_r under CP; 0 for a whole sequence).
         scale: softmax scale; None means D ** -0.5.
+        lengths: every rank's shard length, when the caller has agreed them over the group
+            (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
 
     Returns:
         o: [B, L, H, D] in q's dtype.
@@ -110,7 +112,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
 
 
 def cp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group=None, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group=None, scale: float | None = None,
+    lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention (no positional encoding) of this rank's queries over the whole sequence.
 
@@ -118,6 +121,8 @@ def cp_attention(
         q, k, v: [B, T_r, H, D], this rank's contiguous shard (the whole sequence without CP).
         cp_group: CP group, or None / size 1 for an unsharded sequence. Collective under CP.
         scale: softmax scale; None means D ** -0.5.
+        lengths: every rank's shard length, when the caller has agreed them over the group
+            (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
 
     Returns:
         o: [B, T_r, H, D]; equal, forward and backward, to the rows of the unsharded attention.
@@ -132,7 +137,8 @@ def cp_attention(
         )
     if group_rank_and_size(cp_group)[1] == 1:
         return causal_attention(q, k, v, 0, scale)
-    lengths = shard_lengths(q, cp_group)
+    if lengths is None:
+        lengths = shard_lengths(q, cp_group)
     start = sum(lengths[: dist.get_rank(cp_group)])
     end = start + q.shape[1]
     k_all = all_gather_sequence(k, cp_group, lengths)[:, :end]

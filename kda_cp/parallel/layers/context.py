@@ -52,12 +52,34 @@ class CPContext:
     def __deepcopy__(self, memo):  # a process group is shared, never copied (EMA copies of a model)
         return self
 
-    def __reduce__(self):  # pickled without its process group: re-run parallelize after loading
-        return (CPContext, (None, self.strategy, self.ulysses_impl))
+    def __reduce__(self):  # a process group does not pickle: the loaded model must be parallelized again
+        return (CPContext, (None if self.group is None else DETACHED, self.strategy, self.ulysses_impl))
 
     def rank_and_size(self) -> tuple[int, int]:
-        """(this rank's index in the group, the group's size); (0, 1) when unsharded."""
+        """(this rank's index in the group, the group's size); (0, 1) when unsharded.
+
+        Raises:
+            ValueError: a context whose group was dropped by pickling (a model saved with
+                torch.save while parallelized): it would otherwise run unsharded, silently wrong.
+        """
+        if self.group is DETACHED:
+            raise ValueError("this layer was parallelized when it was pickled, and a process group does not "
+                             "pickle: call kda_cp.parallel.parallelize(model, CPContext(group, ...)) after loading "
+                             "(or parallelize(model, None) to run it unsharded)")
         return group_rank_and_size(self.group)
+
+
+class _Detached:
+    """The group of a CPContext that was pickled with one (see :meth:`CPContext.rank_and_size`)."""
+
+    def __reduce__(self):
+        return "DETACHED"
+
+    def __repr__(self) -> str:
+        return "DETACHED"
+
+
+DETACHED = _Detached()
 
 
 def parallelize(model: nn.Module, ctx: CPContext | None = None) -> nn.Module:
