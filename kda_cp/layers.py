@@ -120,8 +120,8 @@ class KDAConfig:
         if self.v_heads % self.num_heads:
             raise ValueError(f"KDAConfig.num_v_heads must be a multiple of num_heads = {self.num_heads} "
                              f"(grouped value attention), got {self.num_v_heads}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"KDAConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):  # inf would zero every output
+            raise ValueError(f"KDAConfig.norm_eps must be > 0 and finite, got {self.norm_eps}")
         try:
             check_chunk_size(self.chunk_size)
         except ValueError as exc:
@@ -371,8 +371,9 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"AttentionConfig.{name} must be >= 1, got {getattr(self, name)}")
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"AttentionConfig.{name} must be an int >= 1, got {x!r}")
 
 
 class AttentionLayer(nn.Module):

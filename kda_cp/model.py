@@ -65,8 +65,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"ModelConfig.{name} must be an int >= 1, got {x!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
+                or not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
+            raise ValueError(f"ModelConfig.norm_eps must be a number > 0 and finite, got {self.norm_eps!r}")
         for name, default in (("kda", KDAConfig.d_model), ("attention", AttentionConfig.d_model)):
             sub = getattr(self, name)
             if sub.d_model not in (default, self.d_model):

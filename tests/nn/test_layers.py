@@ -271,6 +271,24 @@ def test_layer_empty_sequence_with_a_low_rank_output_gate():
     assert x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("make, kw, pattern", [
+    ("model", dict(n_layers=2.0), "ModelConfig.n_layers must be an int >= 1, got 2.0"),
+    ("model", dict(vocab_size="256"), "ModelConfig.vocab_size must be an int >= 1"),
+    ("model", dict(tie_embeddings="no"), "ModelConfig.tie_embeddings must be a bool"),
+    ("model", dict(norm_eps=0), "ModelConfig.norm_eps must be a number > 0 and finite"),
+    ("attention", dict(d_model="32"), "AttentionConfig.d_model must be an int >= 1"),
+    ("kda", dict(norm_eps=float("inf")), "KDAConfig.norm_eps must be > 0 and finite"),
+])
+def test_configs_name_the_bad_field(make, kw, pattern):
+    """Each config names its own field (a float layer count used to fail in the model's construction,
+    "no" to tie the embeddings to read as true, norm_eps=inf to zero the layer's output)."""
+    from kda_cp.layers import AttentionConfig
+
+    cls = {"model": ModelConfig, "attention": AttentionConfig, "kda": KDAConfig}[make]
+    with pytest.raises(ValueError, match=pattern):
+        cls(**kw)
+
+
 @pytest.mark.parametrize("kw, pattern", [
     (dict(g_min=None, decay_init_max=100.0), "decay_init_max = 100.0 give an initial gate bias .* below 88"),
     (dict(decay_init_min=4.9999999, decay_init_max=4.9999999), "stay below -g_min = 5.0 in fp32"),
