@@ -264,6 +264,7 @@ class Trainer:
         self.n_gpus = layout.world_size if layout.device.type == "cuda" else 0
         self.train_time, self.tok_rates, self.mfus = 0.0, [], []
         self.signals, self.stop_requested = StopSignals(), False  # installed by fit()
+        self._steps_at_resume: set[int] = set()  # checkpoint steps resume() saw (rank 0)
         self.start_step = self.resume() if cfg.trainer.resume else 0
 
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -353,6 +354,8 @@ class Trainer:
         """
         cfg, layout, ckpts = self.cfg, self.layout, self.ckpts
         before, skipped = None, []
+        if layout.rank == 0:  # what is there now: a step that appears later was written by another run
+            self._steps_at_resume = set(ckpts.complete_steps())
         while True:
             found, why = None, ""
             if layout.rank == 0:
@@ -473,9 +476,11 @@ class Trainer:
         return created
 
     def _advanced_error(self, run_dir: Path) -> str | None:
-        """A resumed run: why it must not go on when the directory holds a complete checkpoint newer
-        than the one it loaded (another run wrote it between loading and locking), else None."""
-        newer = [step for step in self.ckpts.complete_steps() if step > self.start_step]
+        """A resumed run: why it must not go on when a checkpoint newer than the one it loaded has
+        appeared since it looked (another run wrote it between loading and locking), else None.
+        Newer ones that were there already (corrupted, or unloadable) were skipped by the resume."""
+        newer = [step for step in self.ckpts.complete_steps()
+                 if step > self.start_step and step not in self._steps_at_resume]
         if not newer:
             return None
         return (f"trainer.run_dir={run_dir} advanced to step {max(newer)} while this run loaded step {self.start_step} "
