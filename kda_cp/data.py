@@ -64,11 +64,17 @@ class DataConfig:
     """Validation batches (of ``batch_size`` sequences) per evaluation; consecutive windows from the start of the split."""
 
     def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "max_bytes", "val_batches", "seed"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise ValueError(f"data.{name} must be an int, got {x!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         for name in ("seq_len", "batch_size", "max_bytes", "val_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:  # numpy's generators take non-negative seeds only
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
 
 
 def stdlib_files(pattern: str = "*.py") -> list[Path]:
@@ -156,6 +162,8 @@ class ByteCorpus:
 
     def _rows(self, dp_rank: int, dp_size: int) -> range:
         B = self.config.batch_size
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"dp_size (the data-parallel degree) must be an int >= 1, got {dp_size!r}")
         if B % dp_size:
             raise ValueError(f"data.batch_size={B} must be divisible by the data-parallel degree {dp_size}")
         if not 0 <= dp_rank < dp_size:

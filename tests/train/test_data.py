@@ -121,3 +121,10 @@ def test_bad_config():
         corpus.train_batch(0, 0, 4, 0, 1)
     with pytest.raises(ValueError, match="too short"):
         ByteCorpus(DataConfig(seq_len=100, val_fraction=0.01), data=np.zeros(1000, dtype=np.uint8))
+    # a float length used to fail in a slice, a negative seed in numpy, dp_size=0 as a ZeroDivisionError
+    with pytest.raises(ValueError, match="data.seq_len must be an int, got 2.5"):
+        DataConfig(seq_len=2.5)
+    with pytest.raises(ValueError, match="data.seed must be >= 0, got -1"):
+        DataConfig(seed=-1)
+    with pytest.raises(ValueError, match=r"dp_size \(the data-parallel degree\) must be an int >= 1, got 0"):
+        corpus.train_batch(0, 0, 0, 0, 1)
