@@ -53,6 +53,19 @@ def gate_bias_for_decay(decay: torch.Tensor, g_min: float | None) -> torch.Tenso
     return torch.logit(decay / -g_min)
 
 
+def check_layer_input(x, d_model: int, w_dtype: torch.dtype) -> None:
+    """A token-mixing layer's input: a floating-point [B, T, d_model] tensor in the parameters'
+    dtype (any dtype under autocast). TypeError or ValueError saying what was expected."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
+                        f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"x must be [B, T, d_model] = [B, T, {d_model}], got shape {tuple(x.shape)}")
+    if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
+                         "(layer.to(dtype)) or run under torch.autocast")
+
+
 @dataclass
 class KDAConfig:
     """Hyper-parameters of one KDA layer."""
@@ -276,15 +289,7 @@ class KDALayer(nn.Module):
         """This rank's checks of forward's arguments (TypeError, ValueError, NotImplementedError);
         returns cu_seqlens as a tensor on x's device, or None."""
         c = self.config
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
-                            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
-        if x.dim() != 3 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
-        w_dtype = self.qkv_proj.weight.dtype
-        if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
-                             "(layer.to(dtype)) or run under torch.autocast")
+        check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
         if cu_seqlens is not None and self.cp.strategy == "ulysses":
             raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
         if cu_seqlens is None:
@@ -399,31 +404,19 @@ class AttentionLayer(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.d_model, bias=False)
         self.cp = CPContext()
 
-    def _check_input(self, x) -> None:
-        c = self.config
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
-                            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
-        if x.dim() != 3 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x must be [B, T, d_model] = [B, T, {c.d_model}], got shape {tuple(x.shape)}")
-        w_dtype = self.qkv_proj.weight.dtype
-        if x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(f"x is {x.dtype} but the layer's parameters are {w_dtype}: cast one to the other "
-                             "(layer.to(dtype)) or run under torch.autocast")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         lengths = None
         if self.cp.rank_and_size()[1] > 1:  # the shard lengths with every rank's checks: nothing hangs or aborts
             def check():
-                self._check_input(x)
+                check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
                 return x.shape[1], [x.shape[0], c.d_model, c.num_heads * c.head_dim, dtype_code(x.dtype)]
 
             lengths = check_and_agree(check, self.cp.group, "AttentionLayer", ("B", "d_model", "heads x head_dim",
                                                                              "dtype"),
                                       device=x.device if isinstance(x, torch.Tensor) else None)
         else:
-            self._check_input(x)
+            check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, c.num_heads, c.head_dim).unbind(2)
         o = cp_attention(q, k, v, cp_group=self.cp.group, lengths=lengths)

@@ -575,13 +575,13 @@ def cp_chunk_kda(
     return CPChunkKDAFunction.apply(q, k, v, g, beta, h0, cp_group, impl, opts, plan)
 
 
-@torch.no_grad()
 def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} {list(x.shape)} on {x.device}"
     return type(x).__name__
 
 
+@torch.no_grad()
 def cp_chunk_kda_in_one_process(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -89,8 +89,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
         q: [B, L, H, D]; k, v: [B, S, H, D] with S = offset + L (the keys a query can see).
         offset: global position of the first query (a_r under CP; 0 for a whole sequence).
         scale: softmax scale; None means D ** -0.5.
-        lengths: every rank's shard length, when the caller has agreed them over the group
-            (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
 
     Returns:
         o: [B, L, H, D] in q's dtype.
