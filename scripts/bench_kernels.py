@@ -146,10 +146,11 @@ OPTION_CASES = {
 }
 
 
-def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128):
+def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128, save=None):
     """chunk_kda and the peer's chunk_kda through autograd, forward and forward+backward, with the
     options of OPTION_CASES; both take the gate and beta pre-activations (use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel) so that each applies its own gate form."""
+    use_beta_sigmoid_in_kernel) so that each applies its own gate form. ``save(rows)`` runs after
+    each case, so a run cut short keeps the cases it finished."""
     from kda_cp.ops import chunk_kda
 
     rows = {}
@@ -189,6 +190,8 @@ def bench_options(cases, repeats, fla_chunk_kda, T=32768, K=128):
             row["rel_rms_vs_fla"] = ((o2 - o1).norm() / o1.norm()).item()
         rows[name] = row
         print(name, json.dumps(row), flush=True)
+        if save is not None:
+            save(rows)
         del q, k, v, z, b, do, leaves
         torch.cuda.empty_cache()
     print("\n| case | kda_cp fwd / fwd+bwd ms | fla fwd / fwd+bwd ms | fla / kda_cp fwd | fla / kda_cp fwd+bwd |")
@@ -254,9 +257,12 @@ def main():
             print(f"kda_cp.ops torch backend not importable ({type(e).__name__}: {e}); skipping")
 
     if args.options is not None:
-        rows = bench_options(args.options or list(OPTION_CASES), args.repeats, fla_chunk_kda)
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": rows}, f, indent=1)
+        def save(rows):
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": rows}, f,
+                          indent=1)
+
+        bench_options(args.options or list(OPTION_CASES), args.repeats, fla_chunk_kda, save=save)
         return
     if args.segments is not None:
         rows = bench_segments(args.segments or list(SEGMENT_SHAPES), args.segment_len, args.repeats, fla_chunk_kda)

@@ -19,13 +19,14 @@ set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
 mkdir -p "$OUT"
 # the peer's autotuning results on disk: paid once per machine, not once per process and step;
-# scripts/peer_autotune_h200.tar.xz carries them from an earlier H200 (Triton's *.autotune.json, the
-# timing of every config tried; the keys hash triton, the GPU target and fla's kernel sources, so
-# another version autotunes as usual). This pass's set goes to $OUT/peer_autotune.tar.xz.
+# scripts/peer_autotune_sm90.tar.xz carries them (Triton's *.autotune.json, the timing of every config
+# tried, on an H200 or an H100; the keys hash triton, the GPU target (sm_90 for both) and fla's kernel
+# sources, so another version autotunes as usual; PEER_AUTOTUNE=fresh skips the restore).
+# This pass's set goes to $OUT/peer_autotune.tar.xz.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 mkdir -p "$TRITON_CACHE_DIR"
-if nvidia-smi -L | grep -q H200 && [ -f scripts/peer_autotune_h200.tar.xz ]; then
-  tar -C "$TRITON_CACHE_DIR" -xJf scripts/peer_autotune_h200.tar.xz
+if [ "${PEER_AUTOTUNE:-}" != fresh ] && nvidia-smi -L | grep -qE "H100|H200" && [ -f scripts/peer_autotune_sm90.tar.xz ]; then
+  tar -C "$TRITON_CACHE_DIR" -xJf scripts/peer_autotune_sm90.tar.xz
 fi
 # the GPU tests in PYTEST_WORKERS processes (default 8) where pytest-xdist is installed: their kernel
 # builds run in parallel (one nvcc each), and the tests only compare numbers (no timings)
@@ -42,7 +43,7 @@ run() {  # name, timeout, command...
 for step in $STEPS; do
   case $step in
     tests)
-      run tests ${TESTS_LIMIT:-900} python -m pytest -q -m gpu $XDIST -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
+      run tests ${TESTS_LIMIT:-900} python -m pytest -q -rA -m gpu $XDIST -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
         tests/kernels/test_kernels_bwd_gpu.py tests/kernels/test_kernels_general_gpu.py tests/cp/test_cp_gpu.py \
         tests/ops/test_segments_gpu.py
       tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.log" ;;
@@ -69,7 +70,7 @@ for step in $STEPS; do
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
     layer)
-      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -m gpu $XDIST -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
+      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -rA -m gpu $XDIST -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
         tests/ops/test_op_options_gpu.py tests/nn/test_interop_gpu.py
       tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
