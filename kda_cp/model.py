@@ -202,7 +202,8 @@ class KDALanguageModel(nn.Module):
                 raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {self.config.vocab_size}), got min {lo}, max {hi}")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cp = next((m.cp for m in self.modules() if isinstance(getattr(m, "cp", None), CPContext)), None)
+        # every block's token mixer carries the context parallelize set (a look at n_layers attributes)
+        cp = next((b.attn.cp for b in self.blocks if isinstance(getattr(b.attn, "cp", None), CPContext)), None)
         if cp is not None and cp.rank_and_size()[1] > 1:
             # every rank checks its ids and all agree before the first layer's collectives: a bad
             # shard raises ValueError on every rank instead of leaving the others waiting

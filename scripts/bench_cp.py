@@ -15,6 +15,7 @@ not depend on their values). Communication is not timed here: its volume is tabu
 depend on T) and measured in real multi-GPU runs elsewhere.
 
     python scripts/bench_cp.py --out bench_cp.json                       # GPU, TileLang backend
+    python scripts/bench_cp.py --t-local 8192 --profile                  # + the kernels CP adds
     python scripts/bench_cp.py --device cpu --t-local 512 2048 --heads 2 --head-dim 32   # smoke test
 
 Prints Markdown tables and writes JSON.
@@ -33,7 +34,37 @@ from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
 
 
-def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
+def launches(fn, calls=3):
+    """{kernel name: [CUDA ms per call, launches per call]} from torch.profiler (after one warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        t = ev.cuda_time_total if t is None else t
+        if t > 0:
+            ms, n = out.get(ev.key, (0.0, 0))
+            out[ev.key] = [ms + t / 1e3 / calls, n + ev.count / calls]
+    return out
+
+
+def added_by_cp(plain, cp):
+    """The kernels of the CP step beyond the plain step's: {name: [extra ms, extra launches]}."""
+    extra = {}
+    for name, (ms, n) in cp.items():
+        ms0, n0 = plain.get(name, (0.0, 0))
+        if n > n0 or ms - ms0 > 0.005:
+            extra[name] = [ms - ms0, n - n0]
+    return dict(sorted(extra.items(), key=lambda kv: -kv[1][0]))
+
+
+def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, profile=False):
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*s):
@@ -103,6 +134,13 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0):
             "plain_fwd_bwd_ms": time_ms(plain_fwd_bwd, repeats, device=device),
             "cp_fwd_bwd_ms": time_ms(cp_fwd_bwd, repeats, device=device),
         })
+        if profile and device.type == "cuda":
+            plain, cp = launches(plain_fwd_bwd), launches(cp_fwd_bwd)
+            res["profile"] = {
+                "plain_kernel_ms": sum(v[0] for v in plain.values()), "plain_launches": sum(v[1] for v in plain.values()),
+                "cp_kernel_ms": sum(v[0] for v in cp.values()), "cp_launches": sum(v[1] for v in cp.values()),
+                "added_by_cp": added_by_cp(plain, cp),
+            }
     res["fwd_ratio"] = res["cp_fwd_ms"] / res["plain_fwd_ms"]
     res["fwd_bwd_ratio"] = res["cp_fwd_bwd_ms"] / res["plain_fwd_bwd_ms"]
     return res
@@ -125,6 +163,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: list the kernels the CP forward+backward runs beyond the plain one's")
     ap.add_argument("--out", default="bench_cp.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -136,12 +176,19 @@ def main():
           "| state grad ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for T in args.t_local:
-        r = bench_shard(T, H, K, K, args.world_size, device, dtype, args.backend, args.repeats)
+        r = bench_shard(T, H, K, K, args.world_size, device, dtype, args.backend, args.repeats, profile=args.profile)
         rows.append(r)
         print(f"| {T} | {r['plain_fwd_ms']:.3f} | {r['cp_fwd_ms']:.3f} | {r['fwd_ratio']:.3f} | {r['summary_ms']:.3f} "
               f"| {r['plain_fwd_bwd_ms']:.3f} | {r['cp_fwd_bwd_ms']:.3f} | {r['fwd_bwd_ratio']:.3f} "
               f"| {r['state_grad_ms']:.3f} |")
     print("(summary and state grad: their marginal cost, given the prepared chunk-local tensors)")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"\nT_local {r['T_local']}, forward+backward kernel time: plain {p['plain_kernel_ms']:.3f} ms in "
+                  f"{p['plain_launches']:.0f} launches, CP {p['cp_kernel_ms']:.3f} ms in {p['cp_launches']:.0f}; added by CP:")
+            for name, (ms, n) in list(p["added_by_cp"].items())[:20]:
+                print(f"  {ms:7.3f} ms  {n:+5.0f} launches  {name[:90]}")
     print(f"\nBytes each rank sends per layer (B=1, H={H}, K=V={K}, fp32 pairs), any T:")
     print("| P | all-gather | p2p log-depth |")
     print("|---|---|---|")
