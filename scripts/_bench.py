@@ -52,3 +52,14 @@ def time_ms(fn, repeats, warmup=2, device="cuda"):
             fn()
             times.append(1e3 * (time.perf_counter() - t))
     return statistics.median(times)
+
+
+def peer_backends():
+    """Which kernels flash-linear-attention runs for KDA here: "triton", or "triton+tilelang" when
+    its TileLang backward (chunk_kda_bwd_wy_dqkg_fused) is on. fla 0.6 enables it where tilelang and
+    nvcc are both installed, unless FLA_TILELANG=0; the peer's times differ between the two."""
+    try:
+        from fla.ops.kda.backends import KDATileLangBackend
+    except ImportError:
+        return "triton"
+    return "triton+tilelang" if KDATileLangBackend.can_use() else "triton"

@@ -27,7 +27,7 @@ import argparse
 import json
 
 import torch
-from _bench import SHAPES, make_inputs, time_ms
+from _bench import SHAPES, make_inputs, peer_backends, time_ms
 
 
 def profile(shape, fwd, summary, calls=5):
@@ -259,22 +259,23 @@ def main():
     if args.options is not None:
         def save(rows):
             with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": rows}, f,
-                          indent=1)
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "fla_kernels": peer_backends(), "options": rows}, f, indent=1)
 
         bench_options(args.options or list(OPTION_CASES), args.repeats, fla_chunk_kda, save=save)
         return
     if args.segments is not None:
         rows = bench_segments(args.segments or list(SEGMENT_SHAPES), args.segment_len, args.repeats, fla_chunk_kda)
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "segments": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "fla_kernels": peer_backends(), "segments": rows}, f, indent=1)
         return
     if args.profile:
         profile(SHAPES[args.shapes[0]], chunk_kda_fwd, chunk_kda_summary)
     if args.sweep:
         sweep(SHAPES[args.shapes[0]], args.repeats)
     dev = torch.cuda.get_device_name()
-    results = {"device": dev, "torch": torch.__version__, "shapes": {}}
+    results = {"device": dev, "torch": torch.__version__, "fla_kernels": peer_backends(), "shapes": {}}
     for name in args.shapes:
         s = SHAPES[name]
         q, k, v, g, beta = make_inputs(**s)

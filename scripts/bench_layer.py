@@ -11,7 +11,8 @@ Both layers have the same parameterization: kda_cp.layers.KDALayer with output_g
 head_dim (a low-rank output gate with a bias, as the peer's g_proj) and g_min = -5, against
 fla.layers.kda.KimiDeltaAttention(safe_gate=True, lower_bound=-5) built by kda_cp.peer.FlaKDALayer.
 The peer's weights are copied into kda_cp's layer, so the outputs and input gradients of the two
-are compared too (a cross-check, not a test).
+are compared too (a cross-check, not a test). The peer's backward runs its TileLang kernel where
+tilelang and nvcc are installed (FLA_TILELANG=0: Triton only); meta.fla_kernels records which.
 
 Measured per layer (median over --repeats of CUDA-event timings, after an untimed warm-up call
 that runs torch.compile's and the peer's autotuning, reported as warmup_s):
@@ -34,7 +35,7 @@ import time
 
 import torch
 
-from _bench import time_ms
+from _bench import peer_backends, time_ms
 from bench_backward import kernel_table, peak_above_base, print_table, rel
 
 from kda_cp.interop import import_kda_state_dict
@@ -184,6 +185,8 @@ def main():
         import fla
 
         meta["fla"] = getattr(fla, "__version__", "?")
+        meta["fla_kernels"] = peer_backends()
+        print(f"flash-linear-attention {meta['fla']}, KDA kernels: {meta['fla_kernels']}")
     rows = []
     for name in args.shapes:
         variants = [v for v in VARIANTS if getattr(args, v)]

@@ -14,10 +14,12 @@
 # LAYER_PROFILE=1 for --profile);
 # "conv": tune_conv.py (the conv kernels' launches at L1-L3, each against the default);
 # "hybrid": bench_hybrid.py (the 64k hybrid model with kda_cp's and with the peer's layer). Logs and JSON go to $OUT; one line per step
-# goes to $OUT/summary.log.
+# goes to $OUT/summary.log. The peer runs its TileLang backward where tilelang and nvcc are installed;
+# FLA_TILELANG=0 keeps it on Triton (the results' fla_kernels says which ran).
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
 mkdir -p "$OUT"
+touch "$OUT/.started"  # what this pass adds to the TileLang cache is packed at the end
 # the peer's autotuning results on disk: paid once per machine, not once per process and step;
 # scripts/peer_autotune_sm90.tar.xz carries them (Triton's *.autotune.json, the timing of every config
 # tried, on an H200 or an H100; the keys hash triton, the GPU target (sm_90 for both) and fla's kernel
@@ -89,3 +91,8 @@ for step in $STEPS; do
   esac
 done
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -cJf "$OUT/peer_autotune.tar.xz" -T -) 2>/dev/null
+# TileLang kernels built on this machine (the peer's TileLang backward among them: about 45 s of
+# nvcc per shape), to merge into the cache carried next time
+if [ -n "${TILELANG_CACHE_DIR:-}" ] && [ -d "$TILELANG_CACHE_DIR" ]; then
+  (cd "$TILELANG_CACHE_DIR" && find . -type f -newer "$OUT/.started" | tar -cJf "$OUT/tilelang_new.tar.xz" -T -) 2>/dev/null
+fi
