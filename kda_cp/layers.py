@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp import glue
-from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens_tensor, chunk_kda
+from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens_tensor, chunk_kda, layout_known
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
 from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code
@@ -310,6 +310,7 @@ class KDALayer(nn.Module):
                 if x.shape[1] < 1:
                     raise ValueError(f"every rank's shard must hold at least 1 token, got T_r = {x.shape[1]}")
                 cs = [] if checked[0] is None else check_cu_seqlens(checked[0])
+                checked.append(cs)
                 return x.shape[1], [x.shape[0], c.d_model, self.qkv_proj.out_features, dtype_code(x.dtype),
                                     c.conv_size, CP_STRATEGIES.index(cp_strategy), len(cs), digest(cs)]
 
@@ -317,6 +318,7 @@ class KDALayer(nn.Module):
                                                                    "strategy", "len(cu_seqlens)", "cu_seqlens digest"),
                                       device=x.device if isinstance(x, torch.Tensor) else None)
             cu_seqlens = checked[0]
+            cu_host = checked[1] if cu_seqlens is not None else None  # the op takes the offsets read once here
         else:
             cu_seqlens = self._check_input(x, cu_seqlens)
         B, T, _ = x.shape
@@ -349,15 +351,16 @@ class KDALayer(nn.Module):
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False,
                   allow_neg_eigval=c.allow_neg_eigval, segment_len=c.segment_len)
         if size == 1:  # the gate and beta's sigmoid from their pre-activations inside the op (its kernels)
-            o, _ = chunk_kda(q, k, v, z, b, cu_seqlens=cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
-                             dt_bias=self.g_up.bias, use_beta_sigmoid_in_kernel=True, **kw)
+            with layout_known():  # q is [B, T, H, K] by construction, also for T < H (a single token)
+                o, _ = chunk_kda(q, k, v, z, b, cu_seqlens=cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
+                                 dt_bias=self.g_up.bias, use_beta_sigmoid_in_kernel=True, **kw)
         else:
             g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b,
                                     beta_scale=2.0 if c.allow_neg_eigval else 1.0)
             if cp_strategy == "ulysses":
                 o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
             else:
-                o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_seqlens, **kw)
+                o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_host, **kw)
         # Per-head RMSNorm times the sigmoid output gate in one fused pass.
         o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
         return self.o_proj(o)

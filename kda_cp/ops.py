@@ -12,6 +12,8 @@ offers the four stages that context parallelism composes (docs/design.md §4): `
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -159,7 +161,7 @@ def check_inputs(
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {_shape(q)}")
     B, T, H, K = q.shape
-    if layout_warning and 0 < T < H:
+    if layout_warning and 0 < T < H and not _LAYOUT_KNOWN.get():
         _warn_once(
             "chunk_kda got q with T < H: the layout is [B, T, H, K] (time before heads); "
             "head-first [B, H, T, K] input would be silently wrong"
@@ -399,6 +401,20 @@ class TileLangBackend(Backend):
         return chunk_kda_state_grad(q, k, v, g, beta, scale=opts.scale, do=do.to(q.dtype).contiguous(),
                                     cu_seqlens=cu_seqlens, chunk_size=opts.chunk_size, g_min=opts.g_min,
                                     prepared=prepared)
+
+
+_LAYOUT_KNOWN = contextvars.ContextVar("kda_cp_layout_known", default=False)
+
+
+@contextlib.contextmanager
+def layout_known():
+    """Within the block chunk_kda does not warn on T < H: for callers that build the [B, T, H, K]
+    layout themselves (the layer, whose inputs may be a single token)."""
+    token = _LAYOUT_KNOWN.set(True)
+    try:
+        yield
+    finally:
+        _LAYOUT_KNOWN.reset(token)
 
 
 @functools.lru_cache(maxsize=None)

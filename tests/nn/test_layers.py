@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 
 from kda_cp.parallel import CPContext, parallelize
+from kda_cp import chunk_kda
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.model import KDALanguageModel, ModelConfig
 
@@ -249,6 +251,23 @@ def test_a_pickled_parallelized_model_refuses_to_run_unsharded():
     (a silently wrong answer); it raises until parallelize is called again, then equals the original."""
     for msg, diff in run_ranks(_pickled_rank, 2, timeout=90):
         assert "parallelized when it was pickled" in msg and diff == 0.0
+
+
+def test_a_single_token_through_the_layer_does_not_warn_of_the_layout():
+    """The layer builds q as [B, T, H, K] itself: T = 1 < H is no head-first mistake. A direct
+    chunk_kda call with T < H still warns."""
+    from kda_cp import ops
+
+    torch.manual_seed(0)
+    layer = KDALayer(KDAConfig(d_model=32, num_heads=4, head_dim=8, backend="torch"))
+    ops._warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = layer(torch.randn(2, 1, 32))
+    assert y.shape == (2, 1, 32) and torch.isfinite(y).all()
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.warns(UserWarning, match=r"chunk_kda got q with T < H"):
+        chunk_kda(q, q, q, -torch.rand(1, 1, 4, 8), torch.rand(1, 1, 4), backend="torch")
 
 
 def test_layer_empty_sequence():
