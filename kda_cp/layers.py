@@ -350,17 +350,17 @@ class KDALayer(nn.Module):
         # checks every step; the checks would cost a read of q, k, v, g and a device sync per layer.
         kw = dict(chunk_size=c.chunk_size, backend=c.backend, g_min=c.g_min, check_gate=False,
                   allow_neg_eigval=c.allow_neg_eigval, segment_len=c.segment_len)
-        if size == 1:  # the gate and beta's sigmoid from their pre-activations inside the op (its kernels)
-            with layout_known():  # q is [B, T, H, K] by construction, also for T < H (a single token)
+        with layout_known():  # q is [B, T, H, K] by construction, also for T < H (a single token)
+            if size == 1:  # the gate and beta's sigmoid from their pre-activations inside the op (its kernels)
                 o, _ = chunk_kda(q, k, v, z, b, cu_seqlens=cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
                                  dt_bias=self.g_up.bias, use_beta_sigmoid_in_kernel=True, **kw)
-        else:
-            g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b,
-                                    beta_scale=2.0 if c.allow_neg_eigval else 1.0)
-            if cp_strategy == "ulysses":
-                o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
             else:
-                o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_host, **kw)
+                g, beta = glue.kda_gate(z, self.A_log, self.g_up.bias, c.g_min, b,
+                                        beta_scale=2.0 if c.allow_neg_eigval else 1.0)
+                if cp_strategy == "ulysses":
+                    o = ulysses_kda(q, k, v, g, beta, cp_group=cp_group, impl=self.cp.ulysses_impl, **kw)
+                else:
+                    o, _ = cp_chunk_kda(q, k, v, g, beta, cp_group=cp_group, cu_seqlens=cu_host, **kw)
         # Per-head RMSNorm times the sigmoid output gate in one fused pass.
         o = glue.rms_norm_gated(o, self.o_norm.weight, og, c.norm_eps)
         return self.o_proj(o)

@@ -55,9 +55,14 @@ def time_ms(fn, repeats, warmup=2, device="cuda"):
 
 
 def peer_backends():
-    """Which kernels flash-linear-attention runs for KDA here: "triton", or "triton+tilelang" when
-    its TileLang backward (chunk_kda_bwd_wy_dqkg_fused) is on. fla 0.6 enables it where tilelang and
-    nvcc are both installed, unless FLA_TILELANG=0; the peer's times differ between the two."""
+    """Whether flash-linear-attention's TileLang KDA backend is enabled: "triton+tilelang" (its
+    backward then runs chunk_kda_bwd_wy_dqkg_fused in TileLang where fla's per-call checks allow),
+    "triton", or None without fla. fla 0.6 enables it where tilelang and nvcc are both installed,
+    unless FLA_TILELANG=0; the peer's times differ between the two."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return None
     try:
         from fla.ops.kda.backends import KDATileLangBackend
     except ImportError:

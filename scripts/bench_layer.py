@@ -12,7 +12,8 @@ head_dim (a low-rank output gate with a bias, as the peer's g_proj) and g_min = 
 fla.layers.kda.KimiDeltaAttention(safe_gate=True, lower_bound=-5) built by kda_cp.peer.FlaKDALayer.
 The peer's weights are copied into kda_cp's layer, so the outputs and input gradients of the two
 are compared too (a cross-check, not a test). The peer's backward runs its TileLang kernel where
-tilelang and nvcc are installed (FLA_TILELANG=0: Triton only); meta.fla_kernels records which.
+tilelang and nvcc are installed (FLA_TILELANG=0: Triton only); meta.fla_kernels records whether
+that backend is enabled (scripts/_bench.py peer_backends).
 
 Measured per layer (median over --repeats of CUDA-event timings, after an untimed warm-up call
 that runs torch.compile's and the peer's autotuning, reported as warmup_s):

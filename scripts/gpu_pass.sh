@@ -19,6 +19,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_pass_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the packing steps at the end run inside the cache directories
 touch "$OUT/.started"  # what this pass adds to the TileLang cache is packed at the end
 # the peer's autotuning results on disk: paid once per machine, not once per process and step;
 # scripts/peer_autotune_sm90.tar.xz carries them (Triton's *.autotune.json, the timing of every config
