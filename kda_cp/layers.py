@@ -32,13 +32,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp import glue
-from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens_tensor, chunk_kda, layout_known
+from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens, check_cu_seqlens_tensor, chunk_kda, layout_known
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
 from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code
 from kda_cp.parallel.layers.conv import causal_conv1d, halo_exchange
 from kda_cp.parallel.cp import cp_chunk_kda
-from kda_cp.parallel.varlen import check_cu_seqlens
 from kda_cp.parallel.layers.ulysses import ulysses_kda
 
 __all__ = ["KDAConfig", "KDALayer", "ShortConv", "RMSNorm", "AttentionConfig", "AttentionLayer", "CP_STRATEGIES"]
@@ -223,7 +222,8 @@ class KDALayer(nn.Module):
         x: [B, T, D], the parameters' dtype (or any float under torch.autocast). Under CP, this
             rank's contiguous shard of the sequence.
         cu_seqlens: int [N + 1] GLOBAL offsets of packed sequences (B = 1), the same on every CP
-            rank; neither the short conv nor the recurrence crosses a sequence start.
+            rank; neither the short conv nor the recurrence crosses a sequence start. Zero-length
+            sequences are allowed, also under CP.
         Returns y: [B, T, D] in x's dtype (under autocast, the autocast dtype for an fp32 x, as
         nn.Linear).
 

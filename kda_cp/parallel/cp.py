@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 
 from kda_cp import reference, scan
+from kda_cp.ops import check_cu_seqlens as check_offsets
 from kda_cp.ops import (DEFAULT_G_MIN, Backend, BackendName, KDAOptions, apply_input_options, check_flags,
                         check_gate_args, check_inputs, check_preactivations, check_scale, chunk_kda, dense_on_cuda,
                         expand_value_heads, first_order_only, get_backend, segmented)
 from kda_cp.parallel.exchange import (agree_or_raise, all_gather_stack, digest, dtype_code, float_code,
                                      group_rank_and_size, p2p_exclusive_scan, tensor_digest)
-from kda_cp.parallel.varlen import ShardSegments, check_cu_seqlens, shard_segments
+from kda_cp.parallel.varlen import ShardSegments, nonempty_sequences, shard_segments
 
 __all__ = ["cp_chunk_kda", "cp_chunk_kda_in_one_process", "Exchange", "choose_exchange"]
 
@@ -77,6 +78,7 @@ class _Plan:
     scan_method: str
     has_h0: bool
     varlen_final_rows: int  # number of sequences (varlen) for final-state/h0 reductions
+    keep: tuple[int, ...] | None = None  # the non-empty sequences' rows when some are empty (varlen)
 
     @property
     def chained(self) -> bool:
@@ -335,7 +337,9 @@ class CPChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, group, backend: Backend, opts: KDAOptions, plan: _Plan):
-        h0 = h0.to(reference._compute_dtype(q.dtype))
+        h0_all = h0.to(reference._compute_dtype(q.dtype))
+        # empty packed sequences run nowhere: the stages see the others' rows only
+        h0 = h0_all if plan.keep is None else h0_all[list(plan.keep)]
         stages = _forward_stages(backend, opts, plan, q, k, v, g, beta, h0)
         pair, overlap = next(stages)
         s_in = _exclusive(pair, plan, group, reverse=False, overlap=overlap)
@@ -344,10 +348,14 @@ class CPChunkKDAFunction(torch.autograd.Function):
         del prepared
         ctx.save_for_backward(q, k, v, g, beta, h0_local, *kept)
         ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
+        ctx.n_all = h0_all.shape[0]
         if not opts.output_final_state:
             return o, None
         # Final states: each sequence's row is filled by the rank where it ends, then summed.
-        return o, _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
+        final = _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
+        if plan.keep is not None:  # an empty sequence's final state is its initial state (replicated)
+            final = h0_all.clone().index_copy_(0, torch.tensor(plan.keep, device=final.device), final)
+        return o, final
 
     @staticmethod
     @first_order_only("cp_chunk_kda")
@@ -355,9 +363,12 @@ class CPChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0_local, *kept = ctx.saved_tensors
         group, backend, opts, plan = ctx.group, ctx.backend, ctx.opts, ctx.plan
+        dfinal_all = None
         if opts.output_final_state and dfinal is not None:
             # The final states are replicated on every rank: their gradient is the sum over ranks.
-            dfinal = _sum_over_ranks(dfinal.to(h0_local.dtype), group, plan.size)
+            dfinal = dfinal_all = _sum_over_ranks(dfinal.to(h0_local.dtype), group, plan.size)
+            if plan.keep is not None:
+                dfinal = dfinal_all[list(plan.keep)]
         else:
             dfinal = None
         stages = _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept)
@@ -367,6 +378,9 @@ class CPChunkKDAFunction(torch.autograd.Function):
         if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.
             dh0 = _sum_over_ranks(dh0, group, plan.size)
+            if plan.keep is not None:  # empty sequences pass their final-state gradient to h0
+                rows = dfinal_all.clone() if dfinal_all is not None else dh0.new_zeros(ctx.n_all, *dh0.shape[1:])
+                dh0 = rows.index_copy_(0, torch.tensor(plan.keep, device=dh0.device), dh0)
         return (
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
             grads.dbeta.to(beta.dtype), dh0, None, None, None, None,
@@ -419,7 +433,8 @@ def cp_chunk_kda(
         output_final_state: also return each sequence's state after its last token, replicated on
             every rank; its gradient is summed over ranks (a replicated value).
         cu_seqlens: GLOBAL offsets of packed sequences (FlashAttention convention, B = 1), the
-            same on every rank; sequences may cross any number of rank boundaries.
+            same on every rank; sequences may cross any number of rank boundaries. A zero-length
+            sequence keeps its initial state (its final state; docs/design.md §5).
         chunk_size, backend, check_gate, g_min, allow_neg_eigval: as in :func:`kda_cp.chunk_kda`.
         segment_len: as in :func:`kda_cp.chunk_kda`; this rank cuts the sequences of its own shard
             (a rank's choice: the ranks need not agree).
@@ -481,7 +496,7 @@ def cp_chunk_kda(
         if cu_seqlens is not None:
             if q.dim() != 4 or q.shape[0] != 1:
                 raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got q {list(q.shape)}")
-            cs_local = check_cu_seqlens(cu_seqlens)
+            cs_local = check_offsets(cu_seqlens)
             n_seq = len(cs_local) - 1
             cu_code = [len(cs_local), digest(cs_local)]
             if initial_state is not None and initial_state.shape[0] != n_seq:
@@ -556,21 +571,23 @@ def cp_chunk_kda(
         )
     lengths = table[:, -1].tolist()
     start = sum(lengths[:rank])
-    segs, n_rows = None, 0
+    segs, n_rows, keep, n_all = None, 0, None, 0
     if cu_seqlens is not None:
-        cs = check_cu_seqlens(cu_seqlens)
+        cs = check_offsets(cu_seqlens)
         if cs[-1] != sum(lengths):
             raise ValueError(f"cp_chunk_kda: cu_seqlens ends at {cs[-1]} but the ranks hold {lengths} "
                              f"= {sum(lengths)} tokens")
+        n_all = len(cs) - 1
+        cs, keep = nonempty_sequences(cs)
         segs = shard_segments(cs, start, start + lengths[rank])
         n_rows = len(cs) - 1
     B, _, H, K = q.shape
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
     q, k, v, g, beta = dense
-    plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows)
+    plan = _Plan(rank, size, segs, exchange_kind, scan_method, initial_state is not None, n_rows, keep)
     sdt = reference._compute_dtype(q.dtype)
-    n_states = B if segs is None else n_rows
+    n_states = B if segs is None else n_all
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state
     return CPChunkKDAFunction.apply(q, k, v, g, beta, h0, cp_group, impl, opts, plan)
 
@@ -654,15 +671,16 @@ def cp_chunk_kda_in_one_process(
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
     impl = get_backend(backend, q, k, v, g, beta, None, g_min, chunk_size)
-    cs = None if cu is None else check_cu_seqlens(cu, T)
+    cs, keep = (None, None) if cu is None else nonempty_sequences(check_offsets(cu, T))
     n_rows = 0 if cs is None else len(cs) - 1
     plans = [
         _Plan(r, world_size, None if cs is None else shard_segments(cs, a, b), "allgather", scan_method,
-              initial_state is not None, n_rows)
+              initial_state is not None, n_rows, keep)
         for r, (a, b) in enumerate(bounds)
     ]
     sdt = reference._compute_dtype(q.dtype)
-    h0 = q.new_zeros(B if cs is None else n_rows, H, K, V, dtype=sdt) if initial_state is None else initial_state.to(sdt)
+    h0_all = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state.to(sdt)
+    h0 = h0_all if keep is None else h0_all[list(keep)]  # empty sequences run nowhere (as cp_chunk_kda)
 
     def shard(x, r):
         a, b = bounds[r]
@@ -687,9 +705,13 @@ def cp_chunk_kda_in_one_process(
         outs.append(out[:3])
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
+    if final is not None and keep is not None:
+        final = h0_all.clone().index_copy_(0, torch.tensor(keep, device=final.device), final)
     if do is None:
         return o, final, None
-    dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
+    dfin_all = dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
+    if dfin is not None and keep is not None:
+        dfin = dfin_all[list(keep)]
     stages = [_backward_stages(impl, opts, plans[r], *ins[r], outs[r][2], shard(do, r), dfin, kept[r])
               for r in range(world_size)]
     del kept
@@ -701,5 +723,8 @@ def cp_chunk_kda_in_one_process(
         grads.append(gr)
         if rows is not None:
             dh0 = rows if dh0 is None else dh0 + rows
+    if dh0 is not None and keep is not None:
+        rows = dfin_all.clone() if dfin_all is not None else dh0.new_zeros(n_states, *dh0.shape[1:])
+        dh0 = rows.index_copy_(0, torch.tensor(keep, device=dh0.device), dh0)
     cat = [torch.cat([getattr(gr, name) for gr in grads], dim=1) for name in ("dq", "dk", "dv", "dg", "dbeta")]
     return o, final, (*cat, dh0)

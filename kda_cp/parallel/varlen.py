@@ -17,7 +17,7 @@ import torch
 from kda_cp.kernels._common import device_offsets
 from kda_cp.ops import check_cu_seqlens as _check
 
-__all__ = ["ShardSegments", "check_cu_seqlens", "shard_segments"]
+__all__ = ["ShardSegments", "check_cu_seqlens", "nonempty_sequences", "shard_segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,15 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:
             increasing, or (when ``total`` is given) not ending at the total length.
     """
     return _check(cu_seqlens, total, allow_empty=False)
+
+
+def nonempty_sequences(cs: list[int]) -> tuple[list[int], tuple[int, ...] | None]:
+    """Offsets without the zero-length sequences, and the indices of the sequences kept (None when
+    none is empty). An empty sequence holds no token: its final state is its initial state."""
+    keep = tuple(i for i in range(len(cs) - 1) if cs[i + 1] > cs[i])
+    if len(keep) == len(cs) - 1:
+        return list(cs), None
+    return [0] + [cs[i + 1] for i in keep], keep
 
 
 def shard_segments(cu_seqlens, start: int, end: int) -> ShardSegments:

@@ -22,6 +22,9 @@ SCENARIOS = [
     ("P5-many-short-uneven", 5, [21, 19, 30, 1, 29], [0, 3, 7, 20, 21, 45, 60, 61, 99, 100], "p2p"),
     ("P8-single-sequence", 8, [12] * 8, [0, 96], "p2p"),
     ("P8-mixed", 8, [5, 17, 9, 20, 11, 3, 30, 15], [0, 22, 23, 64, 65, 66, 80, 110], "allgather"),
+    # empty sequences first, last, inside a shard and on shard edges (30, 55): each keeps its state
+    ("P3-empty-sequences", 3, [30, 25, 35], [0, 0, 12, 12, 30, 30, 55, 70, 90, 90], "allgather"),
+    ("P4-empty-sequences-p2p", 4, [20, 20, 30, 20], [0, 20, 20, 20, 33, 40, 40, 90], "p2p"),
 ]
 
 
@@ -122,7 +125,7 @@ def _bad_rank(rank, world, case):
 
 
 @pytest.mark.parametrize("case,pattern", [
-    ("not-increasing", "strictly increasing"),
+    ("not-increasing", "must not decrease"),
     ("not-from-zero", "must start at 0"),
     ("wrong-total", r"ends at 59 but the ranks hold \[30, 30\]"),
     ("disagreeing-lengths", r"ends at 60 but the ranks hold \[30, 29\]"),

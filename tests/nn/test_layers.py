@@ -127,8 +127,10 @@ SEG = {**CFG, "segment_len": 16}  # each rank's shard cut into segments of one c
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], SOFTPLUS), ([13, 12, 14, 11], None, SOFTPLUS),
     ([10, 25, 15], [0, 9, 12, 33, 34, 50], GVA), ([29, 21], None, GVA), ([13, 12, 14, 11], [0, 11, 12, 37, 50], NEG),
     ([40, 35], [0, 9, 12, 50, 75], SEG),
+    ([10, 25, 15], [0, 0, 9, 9, 10, 35, 35, 50, 50], CFG),  # empty sequences, also on shard edges
 ], ids=["p2-uneven", "p3-uneven", "p2-packed", "p3-packed", "p4-packed", "p4-short-shards", "p3-packed-softplus",
-        "p4-softplus", "p3-packed-gva", "p2-gva", "p4-packed-gva-neg-eigval-softplus", "p2-packed-segments"])
+        "p4-softplus", "p3-packed-gva", "p2-gva", "p4-packed-gva-neg-eigval-softplus", "p2-packed-segments",
+        "p3-packed-empty-sequences"])
 def test_layer_cp_matches_unsharded(lengths, cu, cfg):
     torch.manual_seed(0)
     layer = perturbed(KDALayer(KDAConfig(**cfg)), 7)
