@@ -11,7 +11,7 @@
 # "tune": tune_launches.py (each launch variant of the state passes, dv, ut, dk at S1-S3, timed and
 # compared with the first); "fla": bench_backward.py with fla-core at S1 S2 S3 (its first call per shape compiles and autotunes, up to minutes);
 # "layer": the layer's GPU tests, tests/ops/test_op_options_gpu.py and bench_layer.py --compiled-glue (LAYER_SHAPES,
-# LAYER_PROFILE=1 for --profile);
+# LAYER_PROFILE=1 for --profile; TESTS_LIMIT=0 skips the tests);
 # "conv": tune_conv.py (the conv kernels' launches at L1-L3, each against the default);
 # "hybrid": bench_hybrid.py (the 64k hybrid model with kda_cp's and with the peer's layer). Logs and JSON go to $OUT; one line per step
 # goes to $OUT/summary.log. The peer runs its TileLang backward where tilelang and nvcc are installed;
@@ -72,10 +72,12 @@ for step in $STEPS; do
       run bench_backward ${BENCH_LIMIT:-600} python scripts/bench_backward.py --shapes S1 S2 S3 --repeats 5 --profile \
         --out "$OUT/bench_backward.json"
       grep "^| " "$OUT/bench_backward.log" | tee -a "$OUT/summary.log" ;;
-    layer)
-      run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -rA -m gpu $XDIST -p no:cacheprovider tests/nn/test_layer_gpu.py tests/nn/test_glue_gpu.py \
-        tests/ops/test_op_options_gpu.py tests/nn/test_interop_gpu.py
-      tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
+    layer)  # TESTS_LIMIT=0: the benchmark alone
+      if [ "${TESTS_LIMIT:-300}" != 0 ]; then
+        run layer_tests ${TESTS_LIMIT:-300} python -m pytest -q -rA -m gpu $XDIST -p no:cacheprovider tests/nn/test_layer_gpu.py \
+          tests/nn/test_glue_gpu.py tests/ops/test_op_options_gpu.py tests/nn/test_interop_gpu.py
+        tail -3 "$OUT/layer_tests.log" | tee -a "$OUT/summary.log"
+      fi
       run bench_layer ${BENCH_LIMIT:-600} python scripts/bench_layer.py --shapes ${LAYER_SHAPES:-L1 L2 L3} --repeats 10 \
         --compiled-glue ${LAYER_PROFILE:+--profile} --out "$OUT/bench_layer.json"
       grep -E "^\| |rel RMS" "$OUT/bench_layer.log" | tee -a "$OUT/summary.log" ;;
