@@ -397,7 +397,14 @@ class AttentionLayer(nn.Module):
     global positions (:func:`kda_cp.parallel.layers.attention.cp_attention`); both CP strategies use this
     path.
 
-    Forward: x [B, T_r, D] (collective under CP) -> y [B, T_r, D].
+    Forward: x [B, T_r, D] (collective under CP) -> y [B, T_r, D]; with ``cu_seqlens`` (int
+    [N + 1] GLOBAL offsets of packed sequences, B = 1, the same on every rank) each token attends
+    within its own sequence.
+
+    Raises:
+        TypeError, ValueError: x not a float [B, T, d_model] tensor in the parameters' dtype (any
+            under autocast); cu_seqlens not offsets from 0, non-decreasing, ending at the whole
+            length, or given with B > 1. Under CP on every rank when any rank fails.
     """
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -407,20 +414,37 @@ class AttentionLayer(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.d_model, bias=False)
         self.cp = CPContext()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x, cu_seqlens) -> list[int] | None:
+        c = self.config
+        check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
+        if cu_seqlens is None:
+            return None
+        if x.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got x {list(x.shape)}")
+        return check_cu_seqlens(cu_seqlens)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         c = self.config
         lengths = None
         if self.cp.rank_and_size()[1] > 1:  # the shard lengths with every rank's checks: nothing hangs or aborts
+            checked = []
+
             def check():
-                check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
-                return x.shape[1], [x.shape[0], c.d_model, c.num_heads * c.head_dim, dtype_code(x.dtype)]
+                checked.append(self._check_input(x, cu_seqlens))
+                cs = checked[0] or []
+                return x.shape[1], [x.shape[0], c.d_model, c.num_heads * c.head_dim, dtype_code(x.dtype), len(cs),
+                                    digest(cs)]
 
             lengths = check_and_agree(check, self.cp.group, "AttentionLayer", ("B", "d_model", "heads x head_dim",
-                                                                             "dtype"),
+                                                                             "dtype", "len(cu_seqlens)",
+                                                                             "cu_seqlens digest"),
                                       device=x.device if isinstance(x, torch.Tensor) else None)
+            cs, total = checked[0], sum(lengths)
         else:
-            check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
+            cs, total = self._check_input(x, cu_seqlens), x.shape[1]
+        if cs is not None and cs[-1] != total:  # the same on every rank (agreed offsets and lengths)
+            raise ValueError(f"cu_seqlens ends at {cs[-1]} but the sequence holds {total} tokens")
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, c.num_heads, c.head_dim).unbind(2)
-        o = cp_attention(q, k, v, cp_group=self.cp.group, lengths=lengths)
+        o = cp_attention(q, k, v, cp_group=self.cp.group, lengths=lengths, cu_seqlens=cs)
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim))

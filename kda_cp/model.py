@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp.layers import AttentionConfig, AttentionLayer, KDAConfig, KDALayer, RMSNorm
+from kda_cp.ops import check_cu_seqlens
 from kda_cp.parallel.exchange import check_and_agree
 from kda_cp.parallel.layers.context import CPContext
 
@@ -140,8 +141,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h))
+    def forward(self, h: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cu_seqlens=cu_seqlens)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -154,14 +155,19 @@ class KDALanguageModel(nn.Module):
     Forward:
         input_ids: [B, T] integer token ids in [0, vocab_size); under CP, this rank's contiguous
             shard of each sequence (rank r of the group holds the r-th piece).
+        cu_seqlens: optional int [N + 1] GLOBAL offsets of packed sequences (B = 1, the same on
+            every CP rank, zero-length sequences allowed): no layer mixes tokens of two sequences
+            (KDA restarts from a zero state, attention stays within the sequence). The loss at a
+            sequence's last token (predicting the next sequence's first) is the caller's to mask.
         Returns logits: [B, T, vocab_size], fp32 when the weights are fp32.
 
     Context parallelism is set once, ``kda_cp.parallel.parallelize(model, CPContext(group, strategy))``;
     forward and backward are then collective over the group (every rank in the same order).
 
     Raises:
-        ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size); under CP on
-            every rank when any rank's input_ids fail or the ranks' batch sizes differ.
+        ValueError: input_ids not 2-D integer, or a token id outside [0, vocab_size); cu_seqlens
+            not offsets from 0, non-decreasing, ending at the whole length, or with B > 1; under CP
+            on every rank when any rank's input_ids fail or the ranks' batch sizes differ.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -190,7 +196,7 @@ class KDALanguageModel(nn.Module):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
 
-    def _check_ids(self, input_ids) -> None:
+    def _check_ids(self, input_ids, cu_seqlens=None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
                 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
             got = (f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
@@ -200,23 +206,30 @@ class KDALanguageModel(nn.Module):
             lo, hi = (int(x) for x in torch.aminmax(input_ids))  # one sync; on CUDA a bad id would be a device assert
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {self.config.vocab_size}), got min {lo}, max {hi}")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got input_ids "
+                                 f"{list(input_ids.shape)}")
+            check_cu_seqlens(cu_seqlens)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         # every block's token mixer carries the context parallelize set (a look at n_layers attributes)
         cp = next((b.attn.cp for b in self.blocks if isinstance(getattr(b.attn, "cp", None), CPContext)), None)
         if cp is not None and cp.rank_and_size()[1] > 1:
             # every rank checks its ids and all agree before the first layer's collectives: a bad
             # shard raises ValueError on every rank instead of leaving the others waiting
             def check():
-                self._check_ids(input_ids)
+                self._check_ids(input_ids, cu_seqlens)
                 return input_ids.shape[1], [input_ids.shape[0]]
 
             check_and_agree(check, cp.group, "KDALanguageModel", ("B",), device=getattr(input_ids, "device", None))
         else:
-            self._check_ids(input_ids)
+            self._check_ids(input_ids, cu_seqlens)
+        if isinstance(cu_seqlens, torch.Tensor):  # read once; every layer takes the host offsets
+            cu_seqlens = check_cu_seqlens(cu_seqlens)
         h = self.embed(input_ids.long())
         for block in self.blocks:
-            h = block(h)
+            h = block(h, cu_seqlens=cu_seqlens)
         return self.head(self.norm(h))
 
     def num_params(self) -> int:

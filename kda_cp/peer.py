@@ -55,4 +55,6 @@ class FlaKDALayer(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp.rank_and_size()[1] > 1:
             raise NotImplementedError("flash-linear-attention's KDA layer has no context parallelism: use cp=1")
+        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # the model hands host offsets
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
         return self.inner(x, cu_seqlens=cu_seqlens)[0]

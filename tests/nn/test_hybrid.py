@@ -112,3 +112,72 @@ def test_model_rejects_token_ids_outside_the_vocabulary():
         ids_bad[0, 7] = bad
         with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size\) = \[0, 50\)"):
             model(ids_bad)
+
+
+PACKED = [0, 0, 9, 10, 26, 26, 41]  # empty sequences, a 1-token one, sequences across shard edges
+
+
+def test_packed_hybrid_equals_its_sequences_run_apart():
+    """cu_seqlens through the model: the logits and every parameter gradient equal those of each
+    sequence run on its own (KDA restarts from a zero state, attention stays in the sequence)."""
+    torch.manual_seed(0)
+    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 6)
+    T = PACKED[-1]
+    ids = torch.randint(0, 256, (1, T))
+    dlogits = torch.randn(1, T, 256, dtype=torch.float64)
+    logits = model(ids, cu_seqlens=torch.tensor(PACKED))
+    (logits * dlogits).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    apart = []
+    for s, e in zip(PACKED[:-1], PACKED[1:]):
+        if e > s:
+            out = model(ids[:, s:e])
+            (out * dlogits[:, s:e]).sum().backward()
+            apart.append(out.detach())
+    torch.testing.assert_close(logits.detach(), torch.cat(apart, 1), rtol=1e-10, atol=1e-10)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(logits.detach(), model(ids).detach(), atol=1e-6)  # packing changes the result
+
+
+def _packed_body(rank, world_size, state, ids, dlogits, lengths):
+    import torch.distributed as dist
+
+    model = KDALanguageModel(ModelConfig(**HYBRID)).double()
+    model.load_state_dict(state)
+    start = sum(lengths[:rank])
+    sl = slice(start, start + lengths[rank])
+    parallelize(model, CPContext(dist.group.WORLD))
+    logits = model(ids[:, sl], cu_seqlens=PACKED)
+    (logits * dlogits[:, sl]).sum().backward()
+    return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("lengths", [[26, 15], [10, 16, 15], [9, 1, 16, 15]],
+                         ids=["p2-edge-at-empty", "p3-edges-at-starts", "p4-one-token-shard"])
+def test_packed_hybrid_cp_matches_unsharded(lengths):
+    torch.manual_seed(0)
+    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 7)
+    T = PACKED[-1]
+    ids = torch.randint(0, 256, (1, T))
+    dlogits = torch.randn(1, T, 256, dtype=torch.float64)
+    logits = model(ids, cu_seqlens=torch.tensor(PACKED))
+    (logits * dlogits).sum().backward()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    res = run_ranks(_packed_body, len(lengths), state, ids, dlogits, lengths)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in res], 1), logits.detach(), rtol=1e-10, atol=1e-10)
+    for name, p in model.named_parameters():
+        got = sum(r["grads"][name] for r in res)
+        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_packed_model_bad_offsets_name_what_was_expected():
+    model = KDALanguageModel(ModelConfig(**HYBRID))
+    ids = torch.randint(0, 256, (1, 20))
+    with pytest.raises(ValueError, match=r"cu_seqlens needs B == 1"):
+        model(torch.randint(0, 256, (2, 20)), cu_seqlens=[0, 20])
+    with pytest.raises(ValueError, match="must not decrease"):
+        model(ids, cu_seqlens=[0, 12, 5, 20])
+    with pytest.raises(ValueError, match=r"cu_seqlens.* 19"):
+        model(ids, cu_seqlens=[0, 12, 19])

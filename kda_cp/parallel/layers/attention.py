@@ -111,7 +111,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
 
 def cp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group=None, scale: float | None = None,
-    lengths: list[int] | None = None,
+    lengths: list[int] | None = None, cu_seqlens: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention (no positional encoding) of this rank's queries over the whole sequence.
 
@@ -121,6 +121,9 @@ def cp_attention(
         scale: softmax scale; None means D ** -0.5.
         lengths: every rank's shard length, when the caller has agreed them over the group
             (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
+        cu_seqlens: GLOBAL offsets of packed sequences as a host list (B = 1, checked by the
+            caller, ending at the whole length): each query attends to the keys of its own
+            sequence only, one SDPA call per sequence piece of this shard.
 
     Returns:
         o: [B, T_r, H, D]; equal, forward and backward, to the rows of the unsharded attention.
@@ -134,11 +137,29 @@ def cp_attention(
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if group_rank_and_size(cp_group)[1] == 1:
-        return causal_attention(q, k, v, 0, scale)
-    if lengths is None:
-        lengths = shard_lengths(q, cp_group)
-    start = sum(lengths[: dist.get_rank(cp_group)])
+        if cu_seqlens is None:
+            return causal_attention(q, k, v, 0, scale)
+        start, k_all, v_all = 0, k, v
+    else:
+        if lengths is None:
+            lengths = shard_lengths(q, cp_group)
+        start = sum(lengths[: dist.get_rank(cp_group)])
+        end = start + q.shape[1]
+        k_all = all_gather_sequence(k, cp_group, lengths)[:, :end]
+        v_all = all_gather_sequence(v, cp_group, lengths)[:, :end]
+        if cu_seqlens is None:
+            return causal_attention(q, k_all, v_all, start, scale)
+    return _packed_attention(q, k_all, v_all, start, cu_seqlens, scale)
+
+
+def _packed_attention(q, k_all, v_all, start: int, cu_seqlens: list[int], scale):
+    """Causal attention of the queries at global positions [start, start + L) over the keys
+    [0, start + L), each query limited to its own packed sequence: per sequence piece s0 <= a < b,
+    causal_attention(q[a:b], K[s0:b], V[s0:b], offset a - s0)."""
     end = start + q.shape[1]
-    k_all = all_gather_sequence(k, cp_group, lengths)[:, :end]
-    v_all = all_gather_sequence(v, cp_group, lengths)[:, :end]
-    return causal_attention(q, k_all, v_all, start, scale)
+    pieces = []
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        a, b = max(s0, start), min(s1, end)
+        if a < b:
+            pieces.append(causal_attention(q[:, a - start:b - start], k_all[:, s0:b], v_all[:, s0:b], a - s0, scale))
+    return torch.cat(pieces, dim=1)
