@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kda_cp import glue
+from kda_cp.kernels._common import device_offsets
 from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens, check_cu_seqlens_tensor, chunk_kda, layout_known
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
@@ -294,7 +295,9 @@ class KDALayer(nn.Module):
             raise NotImplementedError("cu_seqlens with the 'ulysses' CP strategy is not supported; use 'scan'")
         if cu_seqlens is None:
             return None
-        cu_seqlens = torch.as_tensor(cu_seqlens, device=x.device)
+        if not isinstance(cu_seqlens, torch.Tensor):  # host offsets (the model's): a device copy never read back
+            return device_offsets(check_cu_seqlens(cu_seqlens), x.device)
+        cu_seqlens = cu_seqlens.to(x.device)
         check_cu_seqlens_tensor(cu_seqlens)  # its form before the conv reads it; the op checks the values
         return cu_seqlens
 

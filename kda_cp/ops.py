@@ -76,7 +76,7 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, "
                              f"got {type(cu_seqlens).__name__}") from None
         if not all(isinstance(c, int) and not isinstance(c, bool) for c in cs):
-            raise ValueError(f"cu_seqlens must hold ints, got {cs}")
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got {cs}")
     if len(cs) < 2 or cs[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {cs}")
     if allow_empty and any(b < a for a, b in zip(cs[:-1], cs[1:])):

@@ -52,7 +52,7 @@ def test_bad_cu_seqlens(inputs):
             chunk_kda(*one, cu_seqlens=cu)
     with pytest.raises(ValueError, match="integer tensor"):
         chunk_kda(*one, cu_seqlens=torch.tensor([0.0, 20.0]))
-    with pytest.raises(ValueError, match="hold ints"):
+    with pytest.raises(ValueError, match="a sequence of ints"):
         chunk_kda(*one, cu_seqlens=[0, 7.5, 20])
     # a list is accepted and means the same as the tensor
     o_list, _ = chunk_kda(*one, cu_seqlens=[0, 7, 7, 20])
