@@ -54,6 +54,27 @@ def time_ms(fn, repeats, warmup=2, device="cuda"):
     return statistics.median(times)
 
 
+def kernel_launches(fn, calls=3):
+    """{kernel name: [CUDA ms per call, launches per call]} from torch.profiler over ``calls`` calls
+    of fn (after one warm-up), heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        t = ev.cuda_time_total if t is None else t
+        if t > 0:
+            ms, n = out.get(ev.key, (0.0, 0))
+            out[ev.key] = [ms + t / 1e3 / calls, n + ev.count / calls]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
 def peer_backends():
     """Whether flash-linear-attention's TileLang KDA backend is enabled: "triton+tilelang" (its
     backward then runs chunk_kda_bwd_wy_dqkg_fused in TileLang where fla's per-call checks allow),

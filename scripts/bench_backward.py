@@ -31,7 +31,7 @@ import json
 import time
 
 import torch
-from _bench import SHAPES, make_inputs, time_ms
+from _bench import SHAPES, kernel_launches, make_inputs, time_ms
 
 MiB = 2.0 ** 20
 
@@ -49,22 +49,7 @@ def peak_above_base(fn):
 
 def kernel_table(fn, calls=3):
     """{kernel name: CUDA ms per call} from torch.profiler over ``calls`` calls of fn (after one warm-up)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = ev.cuda_time_total
-        if t > 0:
-            out[ev.key] = out.get(ev.key, 0.0) + t / 1e3 / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return {name: ms for name, (ms, _) in kernel_launches(fn, calls).items()}
 
 
 def print_table(title, table, top=14):

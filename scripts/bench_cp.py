@@ -28,30 +28,10 @@ import json
 import math
 
 import torch
-from _bench import time_ms
+from _bench import kernel_launches, time_ms
 
 from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
-
-
-def launches(fn, calls=3):
-    """{kernel name: [CUDA ms per call, launches per call]} from torch.profiler (after one warm-up)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        t = ev.cuda_time_total if t is None else t
-        if t > 0:
-            ms, n = out.get(ev.key, (0.0, 0))
-            out[ev.key] = [ms + t / 1e3 / calls, n + ev.count / calls]
-    return out
 
 
 def added_by_cp(plain, cp):
@@ -135,7 +115,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
             "cp_fwd_bwd_ms": time_ms(cp_fwd_bwd, repeats, device=device),
         })
         if profile and device.type == "cuda":
-            plain, cp = launches(plain_fwd_bwd), launches(cp_fwd_bwd)
+            plain, cp = kernel_launches(plain_fwd_bwd), kernel_launches(cp_fwd_bwd)
             res["profile"] = {
                 "plain_kernel_ms": sum(v[0] for v in plain.values()), "plain_launches": sum(v[1] for v in plain.values()),
                 "cp_kernel_ms": sum(v[0] for v in cp.values()), "cp_launches": sum(v[1] for v in cp.values()),

@@ -27,27 +27,18 @@ import argparse
 import json
 
 import torch
-from _bench import SHAPES, make_inputs, peer_backends, time_ms
+from _bench import SHAPES, kernel_launches, make_inputs, peer_backends, time_ms
 
 
 def profile(shape, fwd, summary, calls=5):
     """CUDA time per kernel, averaged over `calls` calls (torch.profiler)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
     q, k, v, g, beta = make_inputs(**shape)
     scale = shape["K"] ** -0.5
     for name, fn in (("fwd", lambda: fwd(q, k, v, g, beta, scale=scale)),
                      ("summary", lambda: summary(k, v, g, beta))):
-        fn()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
         print(f"--- {name} {shape}: CUDA time per call")
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
-            print(f"  {e.key[:60]:60s} {e.device_time_total / calls / 1000:8.3f} ms")
+        for key, (ms, _) in list(kernel_launches(fn, calls).items())[:8]:
+            print(f"  {key[:60]:60s} {ms:8.3f} ms")
 
 
 def sweep(shape, repeats):

@@ -59,7 +59,7 @@ HYBRID = dict(d_model=32, n_layers=4, layer_pattern="KKKA", kda=KDAConfig(num_he
               attention=AttentionConfig(num_heads=2, head_dim=16))
 
 
-def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
+def _hybrid_body(rank, world_size, state, ids, dlogits, lengths, cu_seqlens=None):
     import torch.distributed as dist
 
     model = KDALanguageModel(ModelConfig(**HYBRID)).double()
@@ -67,7 +67,7 @@ def _hybrid_body(rank, world_size, state, ids, dlogits, lengths):
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
     parallelize(model, CPContext(dist.group.WORLD))
-    logits = model(ids[:, sl])
+    logits = model(ids[:, sl], cu_seqlens=cu_seqlens)
     (logits * dlogits[:, sl]).sum().backward()
     return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
@@ -83,7 +83,11 @@ def test_hybrid_model_cp_matches_unsharded(lengths):
     logits = model(ids)
     (logits * dlogits).sum().backward()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    res = run_ranks(_hybrid_body, len(lengths), state, ids, dlogits, lengths)
+    _assert_ranks_match(run_ranks(_hybrid_body, len(lengths), state, ids, dlogits, lengths), logits, model)
+
+
+def _assert_ranks_match(res, logits, model):
+    """The ranks' logits, concatenated, and their gradients, summed, equal the unsharded model's."""
     torch.testing.assert_close(torch.cat([r["logits"] for r in res], 1), logits.detach(), rtol=1e-10, atol=1e-10)
     for name, p in model.named_parameters():
         got = sum(r["grads"][name] for r in res)
@@ -117,16 +121,22 @@ def test_model_rejects_token_ids_outside_the_vocabulary():
 PACKED = [0, 0, 9, 10, 26, 26, 41]  # empty sequences, a 1-token one, sequences across shard edges
 
 
+def _packed_model_step(seed):
+    """A perturbed fp64 hybrid, packed ids and a logits gradient; the model has run forward and
+    backward on them with cu_seqlens=PACKED. Returns (model, ids, dlogits, logits)."""
+    torch.manual_seed(0)
+    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), seed)
+    ids = torch.randint(0, 256, (1, PACKED[-1]))
+    dlogits = torch.randn(1, PACKED[-1], 256, dtype=torch.float64)
+    logits = model(ids, cu_seqlens=torch.tensor(PACKED))
+    (logits * dlogits).sum().backward()
+    return model, ids, dlogits, logits
+
+
 def test_packed_hybrid_equals_its_sequences_run_apart():
     """cu_seqlens through the model: the logits and every parameter gradient equal those of each
     sequence run on its own (KDA restarts from a zero state, attention stays in the sequence)."""
-    torch.manual_seed(0)
-    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 6)
-    T = PACKED[-1]
-    ids = torch.randint(0, 256, (1, T))
-    dlogits = torch.randn(1, T, 256, dtype=torch.float64)
-    logits = model(ids, cu_seqlens=torch.tensor(PACKED))
-    (logits * dlogits).sum().backward()
+    model, ids, dlogits, logits = _packed_model_step(6)
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     apart = []
@@ -141,35 +151,12 @@ def test_packed_hybrid_equals_its_sequences_run_apart():
     assert not torch.allclose(logits.detach(), model(ids).detach(), atol=1e-6)  # packing changes the result
 
 
-def _packed_body(rank, world_size, state, ids, dlogits, lengths):
-    import torch.distributed as dist
-
-    model = KDALanguageModel(ModelConfig(**HYBRID)).double()
-    model.load_state_dict(state)
-    start = sum(lengths[:rank])
-    sl = slice(start, start + lengths[rank])
-    parallelize(model, CPContext(dist.group.WORLD))
-    logits = model(ids[:, sl], cu_seqlens=PACKED)
-    (logits * dlogits[:, sl]).sum().backward()
-    return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("lengths", [[26, 15], [10, 16, 15], [9, 1, 16, 15]],
                          ids=["p2-edge-at-empty", "p3-edges-at-starts", "p4-one-token-shard"])
 def test_packed_hybrid_cp_matches_unsharded(lengths):
-    torch.manual_seed(0)
-    model = perturbed(KDALanguageModel(ModelConfig(**HYBRID)), 7)
-    T = PACKED[-1]
-    ids = torch.randint(0, 256, (1, T))
-    dlogits = torch.randn(1, T, 256, dtype=torch.float64)
-    logits = model(ids, cu_seqlens=torch.tensor(PACKED))
-    (logits * dlogits).sum().backward()
+    model, ids, dlogits, logits = _packed_model_step(7)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    res = run_ranks(_packed_body, len(lengths), state, ids, dlogits, lengths)
-    torch.testing.assert_close(torch.cat([r["logits"] for r in res], 1), logits.detach(), rtol=1e-10, atol=1e-10)
-    for name, p in model.named_parameters():
-        got = sum(r["grads"][name] for r in res)
-        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+    _assert_ranks_match(run_ranks(_hybrid_body, len(lengths), state, ids, dlogits, lengths, PACKED), logits, model)
 
 
 def test_packed_model_bad_offsets_name_what_was_expected():
