@@ -134,20 +134,27 @@ def check_and_agree(check, group, what: str, fields: tuple[str, ...], device=Non
     ``check()`` raises on bad local input, or returns (this rank's shard length, one int per name
     in ``fields``: shapes, :func:`dtype_code`, :func:`float_code`, :func:`digest`, ...). Any
     exception on any rank, or ranks whose fields differ, raise ValueError on every rank (through
-    :func:`agree_or_raise`), so nothing blocks in a later collective.
+    :func:`agree_or_raise`), so nothing blocks in a later collective; a rank whose own check
+    raised NotImplementedError raises that type, with the same message.
 
     Returns:
         every rank's shard length, by rank.
     """
     rank = group_rank_and_size(group)[0]
-    error, row = None, [0] * (1 + len(fields))  # a failing rank sends a row of the same length
+    error, row, unsupported = None, [0] * (1 + len(fields)), None  # a failing rank sends a row of the same length
     try:
         length, meta = check()
         row = [length, *meta]
         assert len(row) == 1 + len(fields), (what, fields, row)
     except Exception as exc:
         error = f"{what} on rank {rank}: {exc}"
-    table = agree_or_raise(row, error, group, what, device=device)
+        unsupported = exc if isinstance(exc, NotImplementedError) else None
+    try:
+        table = agree_or_raise(row, error, group, what, device=device)
+    except ValueError as exc:
+        if unsupported is not None:  # what this rank's inputs asked for is not implemented: keep the type
+            raise NotImplementedError(str(exc)) from unsupported
+        raise
     if not bool((table[:, 2:] == table[0, 2:]).all()):
         raise ValueError(f"{what}: ranks disagree on [{', '.join(fields)}]; every rank of the group must pass "
                          f"its shard of the same tensors (rows per rank: {table[:, 2:].tolist()})")

@@ -40,6 +40,36 @@ def _attn_body(rank, world_size, q, k, v, do, lengths):
     return {"o": o_r.detach(), "dq": q_r.grad, "dk": k_r.grad, "dv": v_r.grad}
 
 
+def _attn_layer_body(rank, world_size, state, x, dy, lengths, cu):
+    import torch.distributed as dist
+
+    layer = AttentionLayer(AttentionConfig(d_model=16, num_heads=2, head_dim=8)).double()
+    layer.load_state_dict(state)
+    start = sum(lengths[:rank])
+    x_r = x[:, start:start + lengths[rank]].clone().requires_grad_(True)
+    y_r = parallelize(layer, CPContext(dist.group.WORLD))(x_r, cu_seqlens=cu)
+    (y_r * dy[:, start:start + lengths[rank]]).sum().backward()
+    return {"y": y_r.detach(), "dx": x_r.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
+
+
+def test_packed_attention_layer_with_an_empty_shard_matches_unsharded():
+    """A rank holding no token still joins the K/V exchange's backward: no hang, exact result."""
+    torch.manual_seed(2)
+    layer = perturbed(AttentionLayer(AttentionConfig(d_model=16, num_heads=2, head_dim=8)).double(), 2)
+    lengths, cu = [0, 12, 12], [0, 4, 4, 24]
+    x = torch.randn(1, 24, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(1, 24, 16, dtype=torch.float64)
+    y = layer(x, cu_seqlens=cu)
+    (y * dy).sum().backward()
+    state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    res = run_ranks(_attn_layer_body, 3, state, x.detach(), dy, lengths, cu, timeout=120)
+    torch.testing.assert_close(torch.cat([r["y"] for r in res], 1), y.detach(), rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(torch.cat([r["dx"] for r in res], 1), x.grad, rtol=1e-11, atol=1e-11)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(sum(r["grads"][name] for r in res), p.grad, rtol=1e-10, atol=1e-11)
+    assert layer(torch.randn(1, 0, 16, dtype=torch.float64), cu_seqlens=[0, 0]).shape == (1, 0, 16)
+
+
 @pytest.mark.parametrize("lengths", [[13, 19], [9, 20, 4], [0, 11, 7]], ids=["p2-uneven", "p3-uneven", "p3-empty-first"])
 def test_cp_attention_matches_unsharded(lengths):
     torch.manual_seed(1)
@@ -168,3 +198,21 @@ def test_packed_model_bad_offsets_name_what_was_expected():
         model(ids, cu_seqlens=[0, 12, 5, 20])
     with pytest.raises(ValueError, match=r"cu_seqlens.* 19"):
         model(ids, cu_seqlens=[0, 12, 19])
+
+
+def _ulysses_packed_rank(rank, world_size):
+    import torch.distributed as dist
+
+    model = KDALanguageModel(ModelConfig(**{**HYBRID, "n_layers": 2, "layer_pattern": "AK"}))
+    parallelize(model, CPContext(dist.group.WORLD, "ulysses"))
+    try:
+        model(torch.randint(0, 256, (1, 8)), cu_seqlens=[0, 4, 16])
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no NotImplementedError"
+
+
+def test_packed_sequences_with_ulysses_are_not_implemented_on_every_rank():
+    for rank, msg in enumerate(run_ranks(_ulysses_packed_rank, 2, timeout=90)):
+        assert "'ulysses' CP strategy is not supported" in msg, f"rank {rank}: {msg!r}"
+

@@ -162,4 +162,6 @@ def _packed_attention(q, k_all, v_all, start: int, cu_seqlens: list[int], scale)
         a, b = max(s0, start), min(s1, end)
         if a < b:
             pieces.append(causal_attention(q[:, a - start:b - start], k_all[:, s0:b], v_all[:, s0:b], a - s0, scale))
+    if not pieces:  # an empty shard: K and V stay in the graph, so its backward joins the collective
+        return causal_attention(q, k_all, v_all, start, scale)
     return torch.cat(pieces, dim=1)
