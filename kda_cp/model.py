@@ -196,7 +196,8 @@ class KDALanguageModel(nn.Module):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
 
-    def _check_ids(self, input_ids, cu_seqlens=None) -> None:
+    def _check_ids(self, input_ids, cu_seqlens=None) -> list[int] | None:
+        """Checks input_ids (and cu_seqlens); returns the offsets as a host list, or None."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
                 or input_ids.dtype not in (torch.int32, torch.int64, torch.uint8):
             got = (f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
@@ -210,7 +211,8 @@ class KDALanguageModel(nn.Module):
             if input_ids.shape[0] != 1:
                 raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got input_ids "
                                  f"{list(input_ids.shape)}")
-            check_cu_seqlens(cu_seqlens)
+            return check_cu_seqlens(cu_seqlens)
+        return None
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         # every block's token mixer carries the context parallelize set (a look at n_layers attributes)
@@ -218,15 +220,16 @@ class KDALanguageModel(nn.Module):
         if cp is not None and cp.rank_and_size()[1] > 1:
             # every rank checks its ids and all agree before the first layer's collectives: a bad
             # shard raises ValueError on every rank instead of leaving the others waiting
+            checked = []
+
             def check():
-                self._check_ids(input_ids, cu_seqlens)
+                checked.append(self._check_ids(input_ids, cu_seqlens))
                 return input_ids.shape[1], [input_ids.shape[0]]
 
             check_and_agree(check, cp.group, "KDALanguageModel", ("B",), device=getattr(input_ids, "device", None))
+            cu_seqlens = checked[0]
         else:
-            self._check_ids(input_ids, cu_seqlens)
-        if isinstance(cu_seqlens, torch.Tensor):  # read once; every layer takes the host offsets
-            cu_seqlens = check_cu_seqlens(cu_seqlens)
+            cu_seqlens = self._check_ids(input_ids, cu_seqlens)  # read once: every layer takes the host offsets
         h = self.embed(input_ids.long())
         for block in self.blocks:
             h = block(h, cu_seqlens=cu_seqlens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kda_cp.kernels._common import device_offsets
 from kda_cp.layers import KDAConfig
 from kda_cp.parallel.layers.context import CPContext
 
@@ -56,5 +57,5 @@ class FlaKDALayer(nn.Module):
         if self.cp.rank_and_size()[1] > 1:
             raise NotImplementedError("flash-linear-attention's KDA layer has no context parallelism: use cp=1")
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # the model hands host offsets
-            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+            cu_seqlens = device_offsets(cu_seqlens, x.device)  # one cached int64 copy for every layer
         return self.inner(x, cu_seqlens=cu_seqlens)[0]

@@ -89,6 +89,12 @@ class _Plan:
         return self.rank > 0 if self.segs is None else self.segs.first_continues
 
 
+def _with_rows(base: torch.Tensor, keep: tuple[int, ...], rows: torch.Tensor) -> torch.Tensor:
+    """A copy of ``base`` [N, ...] with rows ``keep`` replaced by ``rows``: the non-empty sequences'
+    states or gradients put back among the empty ones'."""
+    return base.clone().index_copy_(0, torch.tensor(keep, device=rows.device), rows)
+
+
 def _local_h0(h0_global, s_in, plan):
     """Initial states of the local segments: S_in for a continuing first segment, else h0 rows."""
     if plan.segs is None:
@@ -354,7 +360,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         # Final states: each sequence's row is filled by the rank where it ends, then summed.
         final = _sum_over_ranks(_final_rows(plan, ht, h0), group, plan.size)
         if plan.keep is not None:  # an empty sequence's final state is its initial state (replicated)
-            final = h0_all.clone().index_copy_(0, torch.tensor(plan.keep, device=final.device), final)
+            final = _with_rows(h0_all, plan.keep, final)
         return o, final
 
     @staticmethod
@@ -379,8 +385,8 @@ class CPChunkKDAFunction(torch.autograd.Function):
             # Gradient of the replicated initial states: rows filled where each sequence starts.
             dh0 = _sum_over_ranks(dh0, group, plan.size)
             if plan.keep is not None:  # empty sequences pass their final-state gradient to h0
-                rows = dfinal_all.clone() if dfinal_all is not None else dh0.new_zeros(ctx.n_all, *dh0.shape[1:])
-                dh0 = rows.index_copy_(0, torch.tensor(plan.keep, device=dh0.device), dh0)
+                base = dfinal_all if dfinal_all is not None else dh0.new_zeros(ctx.n_all, *dh0.shape[1:])
+                dh0 = _with_rows(base, plan.keep, dh0)
         return (
             grads.dq.to(q.dtype), grads.dk.to(k.dtype), grads.dv.to(v.dtype), grads.dg.to(g.dtype),
             grads.dbeta.to(beta.dtype), dh0, None, None, None, None,
@@ -475,7 +481,7 @@ def cp_chunk_kda(
             "CP group (e.g. dist.group.WORLD), or call kda_cp.chunk_kda when each rank holds whole sequences"
         )
     rank, size = group_rank_and_size(cp_group)
-    error, cu_code, unsupported = None, [0, 0], None
+    error, cu_code, unsupported, cs_local = None, [0, 0], None, None
     try:
         check_flags(output_final_state=output_final_state, check_gate=check_gate,
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -573,7 +579,7 @@ def cp_chunk_kda(
     start = sum(lengths[:rank])
     segs, n_rows, keep, n_all = None, 0, None, 0
     if cu_seqlens is not None:
-        cs = check_offsets(cu_seqlens)
+        cs = cs_local  # checked above on this rank, agreed over the group
         if cs[-1] != sum(lengths):
             raise ValueError(f"cp_chunk_kda: cu_seqlens ends at {cs[-1]} but the ranks hold {lengths} "
                              f"= {sum(lengths)} tokens")
@@ -706,7 +712,7 @@ def cp_chunk_kda_in_one_process(
     o = torch.cat([x[0] for x in outs], dim=1)
     final = sum(_final_rows(plans[r], outs[r][1], h0) for r in range(world_size)) if output_final_state else None
     if final is not None and keep is not None:
-        final = h0_all.clone().index_copy_(0, torch.tensor(keep, device=final.device), final)
+        final = _with_rows(h0_all, keep, final)
     if do is None:
         return o, final, None
     dfin_all = dfin = dfinal.to(sdt) if (output_final_state and dfinal is not None) else None
@@ -724,7 +730,6 @@ def cp_chunk_kda_in_one_process(
         if rows is not None:
             dh0 = rows if dh0 is None else dh0 + rows
     if dh0 is not None and keep is not None:
-        rows = dfin_all.clone() if dfin_all is not None else dh0.new_zeros(n_states, *dh0.shape[1:])
-        dh0 = rows.index_copy_(0, torch.tensor(keep, device=dh0.device), dh0)
+        dh0 = _with_rows(dfin_all if dfin_all is not None else dh0.new_zeros(n_states, *dh0.shape[1:]), keep, dh0)
     cat = [torch.cat([getattr(gr, name) for gr in grads], dim=1) for name in ("dq", "dk", "dv", "dg", "dbeta")]
     return o, final, (*cat, dh0)
