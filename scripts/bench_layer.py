@@ -21,8 +21,8 @@ that runs torch.compile's and the peer's autotuning, reported as warmup_s):
     fwd_bwd_ms  forward, then torch.autograd.grad of <y, dy> for x and every parameter
     peak_MiB    allocator peak during forward+backward above the memory in use before it
 With --compiled-glue, kda_cp's layer is timed a second time with KDA_CP_GLUE_KERNELS=0 (its
-conv + SiLU + L2Norm through torch.compile instead of the TileLang conv kernels), row "kda_cp
-compiled glue". With --gate-in-kernel, it is timed again with KDA_CP_GATE_IN_KERNEL=1 (the gate and
+glue through torch.compile instead of the TileLang glue kernels: conv + SiLU + L2Norm, the gated
+RMSNorm, the gate's backward), row "kda_cp compiled glue". With --gate-in-kernel, it is timed again with KDA_CP_GATE_IN_KERNEL=1 (the gate and
 beta's sigmoid inside the chunk-local kernel), row "kda_cp gate in kernel". With --profile, CUDA
 time per kernel (torch.profiler, mean of 3 calls) of each layer's forward and forward+backward,
 printed and stored under "profile_fwd" and "profile". Prints a markdown table, writes JSON to --out.

@@ -10,12 +10,14 @@ of kda_cp.kernels.chunk_kda_fwd.
 
     TILELANG_CACHE_DIR=$PWD/.devcarry/tilelang-cache python scripts/prebuild_kernels.py --head-dim 128 \
         --layer 2048 16 --layer 1024 8 --layer 2304 32 --output-gate-rank 128 --conv-tune --jobs 8
-        # + the conv kernels of bench_layer.py's shapes L1-L3, and those of tune_conv.py's launches
+        # + the conv, gated RMSNorm and gate-backward kernels of bench_layer.py's shapes L1-L3, and the conv
+        # kernels of tune_conv.py's launches
 
 --jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--conv-packed", action="store_true", help="the conv kernels for packed sequences too")
     ap.add_argument("--conv-tune", action="store_true", help="the conv kernels of every launch scripts/tune_conv.py times")
     ap.add_argument("--only-layers", action="store_true", help="only the --layer conv kernels")
+    ap.add_argument("--match", default=None, help="only the kernels whose name (as printed) matches this regex")
     ap.add_argument("--jobs", type=int, default=1, help="build in this many processes (each compile is one nvcc run)")
     ap.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -52,8 +55,11 @@ def main():
     builds = {}
     for D, H in args.layer:
         builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed, args.conv_tune))
+        builds.update(_glue_builds(H, args.head_dim[0], dt))
     for K in [] if args.only_layers else args.head_dim:
         builds.update(_op_builds(K, C, dt, not args.no_backward))
+    if args.match:
+        builds = {name: b for name, b in builds.items() if re.search(args.match, name)}
     shard, n = args.shard
     for name, build in list(builds.items())[shard::n]:
         t = time.time()
@@ -128,6 +134,23 @@ def _conv_builds(D, H, K, dt, output_gate_rank, packed, tune=False):
                         lambda bwd=bwd, part=part, launch=launch: build_conv_kernel(
                             3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd,
                             packed=False, launch=launch))
+    return builds
+
+
+def _glue_builds(H, K, dt):
+    """{name: build} of the gated RMSNorm (forward, backward) and the gate's backward of a KDALayer
+    with H heads of K channels: weights in the activations' dtype (bf16 layers) or fp32 (autocast),
+    both gate forms."""
+    from kda_cp.kernels.norm import build_gate_bwd_kernel, build_rms_norm_gated_kernel
+
+    eps = 1e-6  # KDAConfig.norm_eps
+    builds = {}
+    for wdt in (dt, "float32"):
+        for bwd in (False, True):
+            builds[f"layer H={H}: rms_norm_gated {'bwd' if bwd else 'fwd'} weight {wdt}"] = (
+                lambda wdt=wdt, bwd=bwd: build_rms_norm_gated_kernel(K, dt, dt, wdt, dt, eps, backward=bwd))
+    for g_min in (-5.0, None):
+        builds[f"layer H={H}: gate bwd g_min={g_min}"] = lambda g_min=g_min: build_gate_bwd_kernel(H, K, dt, g_min)
     return builds
 
 

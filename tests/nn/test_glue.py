@@ -99,6 +99,59 @@ def test_linear_split_equals_linear_then_split(used):
         glue.linear_split(x, w, (40, 8, 3))
 
 
+@pytest.mark.parametrize("g_min,bias,beta_scale", [(-5.0, True, 1.0), (-2.5, False, 2.0), (None, True, 1.0),
+                                                    (None, False, None)], ids=["bounded", "bounded-nobias-neg",
+                                                                               "softplus", "softplus-nobeta"])
+def test_gate_backward_by_hand_equals_autograd_fp64(g_min, bias, beta_scale):
+    """kda_gate's hand-written backward (the math of the TileLang kernel) equals autograd of its
+    forward formula in fp64 (1e-12): dz, dA_log, ddt_bias and beta's pre-activation gradient,
+    for both gate forms, on pre-activations spread wide enough to saturate some sigmoids."""
+    gen = torch.Generator().manual_seed(int(-10 * (g_min or 0)) + 3 * bias + int(4 * (beta_scale or 0)))
+    B, T, H, K = 2, 37, 3, 8
+    z = (4 * torch.randn(B, T, H, K, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    A = torch.randn(H, dtype=torch.float64, generator=gen).requires_grad_(True)
+    dt = torch.randn(H * K, dtype=torch.float64, generator=gen).requires_grad_(True) if bias else None
+    b = torch.randn(B, T, H, dtype=torch.float64, generator=gen).requires_grad_(True) if beta_scale else None
+    dg = torch.randn(B, T, H, K, dtype=torch.float64, generator=gen)
+    dbeta = torch.randn(B, T, H, dtype=torch.float64, generator=gen)
+    leaves = [t for t in (z, A, dt, b) if t is not None]
+    g, beta = glue.kda_gate(z, A, dt, g_min, b, beta_scale=beta_scale or 1.0, compiled=False)
+    g_ref, beta_ref = glue._kda_gate(z, A, dt, g_min, b, beta_scale or 1.0)
+    assert g.grad_fn is not None and "KDAGate" in type(g.grad_fn).__name__  # the hand-written backward runs
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+    outs, cots = ([g, beta], [dg, dbeta]) if b is not None else ([g], [dg])
+    refs = [g_ref, beta_ref] if b is not None else [g_ref]
+    for name, a, r in zip(["z", "A_log", "dt_bias", "b"], torch.autograd.grad(outs, leaves, cots),
+                          torch.autograd.grad(refs, leaves, cots)):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+    # only beta used: its gradient alone (no gate backward runs)
+    if b is not None:
+        g2, beta2 = glue.kda_gate(z, A, dt, g_min, b, beta_scale=beta_scale, compiled=False)
+        (db,) = torch.autograd.grad(beta2, [b], dbeta)
+        beta_ref2 = glue._kda_gate(z, A, dt, g_min, b, beta_scale)[1]
+        torch.testing.assert_close(db, torch.autograd.grad(beta_ref2, [b], dbeta)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("V,H,out_dtype", [(8, 3, None), (5, 1, torch.float32)])
+def test_rms_norm_gated_backward_by_hand_equals_autograd_fp64(V, H, out_dtype):
+    """rms_norm_gated's hand-written backward (the TileLang kernel's math) equals autograd of its
+    forward formula in fp64 (1e-12), dx, dweight and dgate; a gate given as [B, T, H * V]."""
+    gen = torch.Generator().manual_seed(V * H)
+    B, T = 2, 29
+    x = (3 * torch.randn(B, T, H, V, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    w = torch.randn(V, dtype=torch.float64, generator=gen).requires_grad_(True)
+    gate = (3 * torch.randn(B, T, H * V, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    dy = torch.randn(B, T, H * V, dtype=torch.float64, generator=gen)
+    y = glue.rms_norm_gated(x, w, gate, 1e-6, out_dtype, compiled=False)
+    y_ref = glue._rms_norm_gated(x, w, gate, 1e-6, out_dtype or x.dtype)
+    assert "RMSNormGated" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for name, a, r in zip(["x", "weight", "gate"], torch.autograd.grad(y, [x, w, gate], dy),
+                          torch.autograd.grad(y_ref, [x, w, gate], dy)):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad of {name}: {m}")
+
+
 def test_glue_bad_input():
     layer = KDALayer(KDAConfig(d_model=16, num_heads=2, head_dim=8, chunk_size=16))
     with pytest.raises(NotImplementedError, match="ulysses"):

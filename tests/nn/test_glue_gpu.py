@@ -97,3 +97,99 @@ def test_conv_kernel_packed_does_not_mix_sequences(mode, monkeypatch):
         assert torch.equal(a[:, keep], b[:, keep])
     assert torch.equal(gr_a[0][:, keep], gr_b[0][:, keep])
     assert not torch.equal(gr_a[0][:, ~keep], gr_b[0][:, ~keep])
+
+
+# The gated RMSNorm and the gate's backward (kda_cp.kernels.norm) against the fp64 glue on the same
+# bf16 inputs. Outputs carry one bf16 rounding; the parameter gradients are fp32 sums.
+NORM_CASES = pytest.mark.parametrize("B,T,H,V", [(2, 333, 3, 128), (1, 1001, 4, 64), (1, 7, 1, 128)],
+                                     ids=["T333-V128", "T1001-V64", "T7"])
+
+
+def _norm_run(x, w, gate, dy, device, dtype, wdtype):
+    leaves = [x.to(device, dtype).requires_grad_(True), w.to(device, wdtype).requires_grad_(True),
+              gate.to(device, dtype).requires_grad_(True)]
+    y = glue.rms_norm_gated(*leaves, 1e-6, compiled=device == "cuda")
+    return [y, *torch.autograd.grad(y, leaves, dy.to(device, y.dtype))]
+
+
+@NORM_CASES
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
+def test_rms_norm_gated_kernels_match_fp64(B, T, H, V, wdtype, monkeypatch):
+    monkeypatch.setenv("KDA_CP_GLUE_KERNELS", "all")
+    from kda_cp.kernels.norm import norm_supported
+
+    gen = torch.Generator().manual_seed(T + H)
+    x = (3 * torch.randn(B, T, H, V, generator=gen)).to(torch.bfloat16).double()
+    w = (1 + 0.3 * torch.randn(V, generator=gen)).to(wdtype).double()
+    gate = (2 * torch.randn(B, T, H * V, generator=gen)).to(torch.bfloat16).double()
+    dy = torch.randn(B, T, H * V, generator=gen).to(torch.bfloat16).double()
+    xc = x.to("cuda", torch.bfloat16)
+    assert norm_supported(xc, w.to("cuda", wdtype), xc.view(B, T, H * V), torch.bfloat16)[0]
+    want = _norm_run(x, w, gate, dy, "cpu", torch.float64, torch.float64)
+    got = _norm_run(x, w, gate, dy, "cuda", torch.bfloat16, wdtype)
+    # the weight gradient is an fp32 sum, returned in the weight's dtype (one bf16 rounding for a bf16 weight)
+    tol_dw = TOL_DW if wdtype == torch.float32 else TOL_BF16
+    for name, a, b, tol in zip(["y", "dx", "dweight", "dgate"], want, got, [TOL_BF16, TOL_BF16, tol_dw, TOL_BF16]):
+        assert_close(name, a, b.cpu(), tol)
+
+
+GATE_CASES = pytest.mark.parametrize("B,T,HV,K", [(2, 333, 3, 128), (1, 1001, 4, 64), (1, 5, 2, 128)],
+                                     ids=["T333-K128", "T1001-K64", "T5"])
+
+
+@GATE_CASES
+@pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded", "softplus"])
+def test_gate_backward_kernel_matches_fp64(B, T, HV, K, g_min, monkeypatch):
+    monkeypatch.setenv("KDA_CP_GLUE_KERNELS", "all")
+    gen = torch.Generator().manual_seed(T + HV)
+    z = (3 * torch.randn(B, T, HV, K, generator=gen)).to(torch.bfloat16).double()
+    A = 0.5 * torch.randn(HV, generator=gen, dtype=torch.float64)
+    dt = torch.randn(HV * K, generator=gen, dtype=torch.float64)
+    b = torch.randn(B, T, HV, generator=gen).to(torch.bfloat16).double()
+    dg = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    dbeta = torch.randn(B, T, HV, generator=gen, dtype=torch.float64)
+
+    def run(device, zdtype, pdtype):
+        leaves = [z.to(device, zdtype), A.to(device, pdtype), dt.to(device, pdtype), b.to(device, zdtype)]
+        leaves = [t.requires_grad_(True) for t in leaves]
+        g, beta = glue.kda_gate(*leaves[:3], g_min, leaves[3], compiled=device == "cuda")
+        return [g, beta, *torch.autograd.grad([g, beta], leaves, [dg.to(device, g.dtype), dbeta.to(device, beta.dtype)])]
+
+    from kda_cp.kernels.norm import gate_supported
+
+    assert gate_supported(z.to("cuda", torch.bfloat16))[0], "the case must run on the kernel"
+    want = run("cpu", torch.float64, torch.float64)
+    got = run("cuda", torch.bfloat16, torch.float32)
+    for name, a, b_, tol in zip(["g", "beta", "dz", "dA_log", "ddt_bias", "db"], want, got,
+                                [1e-5, 1e-5, TOL_BF16, TOL_DW, TOL_DW, TOL_BF16]):
+        assert_close(name, a, b_.cpu(), tol)
+
+
+@pytest.mark.parametrize("blocks", [3, 1000], ids=["3-blocks-walk", "more-blocks-than-tiles"])
+def test_glue_backward_kernels_walk_many_tiles(blocks, monkeypatch):
+    """The walking backward kernels with a forced block count: 3 blocks over 32 tiles (each block
+    sums its partials over 10-11 tiles), and more blocks than tiles (idle blocks write zeros)."""
+    monkeypatch.setenv("KDA_CP_GLUE_KERNELS", "all")
+    from kda_cp.kernels import norm
+
+    monkeypatch.setattr(norm, "_walkers", lambda ntile, x, per_sm, per_tile_blocks=1: blocks)
+    gen = torch.Generator().manual_seed(blocks)
+    B, T, H, V = 1, 1013, 1, 128  # 32 tiles of 32 rows, the last one partial
+    x = (3 * torch.randn(B, T, H, V, generator=gen)).to(torch.bfloat16).double()
+    w = (1 + 0.3 * torch.randn(V, generator=gen)).double()
+    gate = (2 * torch.randn(B, T, H * V, generator=gen)).to(torch.bfloat16).double()
+    dy = torch.randn(B, T, H * V, generator=gen).to(torch.bfloat16).double()
+    want = _norm_run(x, w, gate, dy, "cpu", torch.float64, torch.float64)
+    got = _norm_run(x, w, gate, dy, "cuda", torch.bfloat16, torch.float32)
+    for name, a, b, tol in zip(["y", "dx", "dweight", "dgate"], want, got, [TOL_BF16, TOL_BF16, TOL_DW, TOL_BF16]):
+        assert_close(name, a, b.cpu(), tol)
+    z = (3 * torch.randn(B, T, 2, 128, generator=gen)).to(torch.bfloat16).double()
+    A, dt = 0.5 * torch.randn(2, generator=gen, dtype=torch.float64), torch.randn(256, generator=gen, dtype=torch.float64)
+    dg = torch.randn(B, T, 2, 128, generator=gen, dtype=torch.float64)
+    res = []
+    for device, zdt, pdt in (("cpu", torch.float64, torch.float64), ("cuda", torch.bfloat16, torch.float32)):
+        leaves = [t.to(device, d).requires_grad_(True) for t, d in ((z, zdt), (A, pdt), (dt, pdt))]
+        g, _ = glue.kda_gate(*leaves, -5.0, compiled=device == "cuda")
+        res.append(torch.autograd.grad(g, leaves, dg.to(device, g.dtype)))
+    for name, a, b, tol in zip(["dz", "dA_log", "ddt_bias"], *res, [TOL_BF16, TOL_DW, TOL_DW]):
+        assert_close(name, a, b.cpu(), tol)

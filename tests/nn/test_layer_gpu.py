@@ -65,7 +65,7 @@ def _layer_errors(B, T, cu, og_rank):
 
 
 @CASES
-@pytest.mark.parametrize("glue", ["all", "0"], ids=["conv-kernels", "compiled-conv"])
+@pytest.mark.parametrize("glue", ["all", "0"], ids=["glue-kernels", "compiled-glue"])
 def test_layer_matches_fp64(B, T, cu, og_rank, glue, monkeypatch):
     monkeypatch.setenv("KDA_CP_GLUE_KERNELS", glue)
     errs = _layer_errors(B, T, cu, og_rank)
