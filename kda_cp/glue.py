@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -324,9 +325,31 @@ class _RMSNormGated(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
-    # dynamic=None: the first shape compiles static, a second one a graph with symbolic sizes (so
-    # many sequence lengths never reach the recompile limit, which fullgraph=True turns into an error)
-    return torch.compile(fn, fullgraph=True, dynamic=None)
+    """fn as one torch.compile graph. dynamic=None: the first shape compiles static, a second one a
+    graph with symbolic sizes. Each head layout, dtype or packed/dense form is a graph of its own,
+    so a process with many of them (several layer shapes, a test session) gets a recompile limit of
+    _RECOMPILE_LIMIT for these functions, and past it fn runs eagerly with a one-time warning
+    (fullgraph=True would otherwise make the limit an error)."""
+    graph = torch.compile(fn, fullgraph=True, dynamic=None)
+    eager = False
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal eager
+        if not eager:
+            try:
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                    return graph(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                eager = True
+                warnings.warn(f"kda_cp.glue: {fn.__name__} reached {_RECOMPILE_LIMIT} torch.compile graphs; "
+                              "it runs eagerly from now on", RuntimeWarning, stacklevel=2)
+        return fn(*args)
+
+    return run
+
+
+_RECOMPILE_LIMIT = 64
 
 
 def use_compiled(*xs) -> bool:

@@ -213,3 +213,20 @@ def test_compiled_glue_takes_many_lengths():
         want = glue.conv_silu_norm(x, w, (H * K, H * K, H * K), K, 1e-6, compiled=False)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _scaled(x):
+    return x * 3 + 1
+
+
+def test_compiled_glue_runs_eagerly_past_the_recompile_limit(monkeypatch):
+    """A process with more glue layouts than the recompile limit keeps running (eagerly, with one
+    warning) instead of failing in torch.compile's fullgraph mode."""
+    monkeypatch.setattr(glue, "_RECOMPILE_LIMIT", 2)
+    fn = glue._compiled(_scaled)
+    x = torch.randn(5, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="runs eagerly") as record:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # one graph per dtype
+            xd = x.to(dtype)
+            torch.testing.assert_close(fn(xd), xd * 3 + 1)
+    assert len([w for w in record if "runs eagerly" in str(w.message)]) == 1
