@@ -326,30 +326,46 @@ class _RMSNormGated(torch.autograd.Function):
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
     """fn as one torch.compile graph. dynamic=None: the first shape compiles static, a second one a
-    graph with symbolic sizes. Each head layout, dtype or packed/dense form is a graph of its own,
-    so a process with many of them (several layer shapes, a test session) gets a recompile limit of
-    _RECOMPILE_LIMIT for these functions, and past it fn runs eagerly with a one-time warning
-    (fullgraph=True would otherwise make the limit an error)."""
+    graph with symbolic sizes. Each head layout, dtype or packed/dense form is a graph of its own;
+    a process with more of them than Dynamo's recompile limit (several layer shapes, a test
+    session) compiles up to _RECOMPILE_LIMIT graphs of fn, and a call past that runs eagerly, with
+    one warning (fullgraph=True would otherwise make the limit an error). Graphs already compiled
+    keep serving their calls."""
     graph = torch.compile(fn, fullgraph=True, dynamic=None)
-    eager = False
+    warned = False
 
-    @functools.wraps(fn)
     def run(*args):
-        nonlocal eager
-        if not eager:
-            try:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                    return graph(*args)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                eager = True
-                warnings.warn(f"kda_cp.glue: {fn.__name__} reached {_RECOMPILE_LIMIT} torch.compile graphs; "
-                              "it runs eagerly from now on", RuntimeWarning, stacklevel=2)
+        nonlocal warned
+        cfg = torch._dynamo.config
+        try:  # the limit is only checked on a cache miss, before tracing: a miss past it is cheap
+            return graph(*args)
+        except _LIMIT_HIT:
+            if getattr(cfg, "fail_on_recompile_limit_hit", False):  # the user asked for the error
+                raise
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        try:
+            with cfg.patch(**{name: max(_RECOMPILE_LIMIT, getattr(cfg, name))}):
+                return graph(*args)
+        except _LIMIT_HIT:
+            if not warned:
+                warned = True
+                warnings.warn(f"kda_cp.glue: {fn.__name__} reached torch.compile's recompile limit; calls "
+                              "that need a new graph run eagerly", RuntimeWarning, stacklevel=2)
         return fn(*args)
 
-    return run
+    return functools.wraps(fn)(run)
 
 
 _RECOMPILE_LIMIT = 64
+
+
+def _limit_hit_errors():
+    import torch._dynamo.exc as exc
+
+    return tuple(getattr(exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, n))
+
+
+_LIMIT_HIT = _limit_hit_errors()
 
 
 def use_compiled(*xs) -> bool:
@@ -471,6 +487,9 @@ def kda_gate(z, A_log, dt_bias=None, g_min: float | None = -5.0, b=None, *, beta
 
     Returns:
         (g [B, T, H, K], beta [B, T, H] or None), fp32 (fp64 for fp64 z).
+
+    Raises:
+        NotImplementedError: on a second-order backward (create_graph=True), as the KDA op.
     """
     if compiled is None:
         compiled = use_compiled(z)
@@ -489,6 +508,9 @@ def rms_norm_gated(x, weight, gate, eps: float, out_dtype=None, *, compiled=None
 
     Returns:
         [B, T, H * V] in ``out_dtype``.
+
+    Raises:
+        NotImplementedError: on a second-order backward (create_graph=True), as the KDA op.
     """
     if compiled is None:
         compiled = use_compiled(x, gate)

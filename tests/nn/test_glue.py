@@ -221,12 +221,30 @@ def _scaled(x):
 
 def test_compiled_glue_runs_eagerly_past_the_recompile_limit(monkeypatch):
     """A process with more glue layouts than the recompile limit keeps running (eagerly, with one
-    warning) instead of failing in torch.compile's fullgraph mode."""
+    warning) instead of failing in torch.compile's fullgraph mode, and its compiled graphs stay."""
     monkeypatch.setattr(glue, "_RECOMPILE_LIMIT", 2)
     fn = glue._compiled(_scaled)
     x = torch.randn(5, generator=torch.Generator().manual_seed(0))
-    with pytest.warns(RuntimeWarning, match="runs eagerly") as record:
-        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # one graph per dtype
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="run eagerly") as record:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32):  # a graph per dtype
             xd = x.to(dtype)
             torch.testing.assert_close(fn(xd), xd * 3 + 1)
-    assert len([w for w in record if "runs eagerly" in str(w.message)]) == 1
+    assert len([w for w in record if "run eagerly" in str(w.message)]) == 1
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # the user's choice stands
+            fn(x.to(torch.float16))
+
+
+def test_gate_and_norm_are_first_order_only():
+    """A second-order backward through the hand-written backwards is a clear error, not a wrong 0."""
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(1, 7, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    A = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+    g, _ = glue.kda_gate(z, A, None, -5.0)
+    with pytest.raises(NotImplementedError, match="kda_gate"):
+        torch.autograd.grad(g.sum(), z, create_graph=True)
+    x = torch.randn(1, 7, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    gate = torch.randn(1, 7, 16, generator=gen, dtype=torch.float64)
+    y = glue.rms_norm_gated(x, torch.ones(8, dtype=torch.float64), gate, 1e-6)
+    with pytest.raises(NotImplementedError, match="rms_norm_gated"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
