@@ -10,6 +10,9 @@ On one device this times what a middle rank of a CP group computes, against the 
 as cp_chunk_kda runs them on a rank that summarises its shard (kda_cp/parallel/cp.py).
     ratio       = CP time / plain local forward (or forward+backward) time
 
+It models the all-gather exchange with the default chain of states (exchange="allgather",
+scan_method="sequential"): this rank packs its pair into its row of the gathered buffer, the
+one copy cp_chunk_kda makes, and folds the packed views with cp_chunk_kda's own fold.
 The all-gathered pairs of the other ranks are random maps of the right shapes (the scan's cost does
 not depend on their values). Communication is not timed here: its volume is tabulated (it does not
 depend on T) and measured in real multi-GPU runs elsewhere.
@@ -32,6 +35,7 @@ from _bench import kernel_launches, time_ms
 
 from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
+from kda_cp.parallel.cp import _fold
 
 
 def added_by_cp(plain, cp):
@@ -60,8 +64,17 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
     opts = KDAOptions(scale=K**-0.5, chunk_size=64)
     sdt = torch.float32
     zero = torch.zeros(1, H, K, V, device=device, dtype=sdt)
-    others = scan.AffineMap(rnd(P, 1, H, K, K) / K, rnd(P, 1, H, K, V))
+    # the all-gather's output buffer [P, 1, H, K, K + V] of packed (M, S) pairs, the other ranks' rows random
+    gathered = torch.cat([rnd(P, 1, H, K, K) / K, rnd(P, 1, H, K, V)], dim=-1)
     rank = P // 2
+
+    def exclusive(M, S, reverse):
+        """As cp._exclusive after the all-gather: this rank's pair packed into its row (the one
+        copy cp_chunk_kda makes before the gather; the gather's writes are communication, untimed),
+        then the fold over the packed views."""
+        torch.cat([M, S.to(sdt)], dim=-1, out=gathered[rank])
+        maps = scan.AffineMap(gathered[..., :K], gathered[..., K:])
+        return _fold(maps, rank, "sequential", reverse)
 
     def plain_fwd():
         return backend.fwd(q, k, v, g, beta, zero, opts)
@@ -79,9 +92,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
     def cp_fwd(keep=False):
         prepared = backend.prepare(q, k, v, g, beta, opts)
         M, St = backend.summary_prepared(prepared, opts, last_only=False)
-        maps = scan.AffineMap(others.M.clone(), others.S.clone())
-        maps.M[rank], maps.S[rank] = M, St.to(sdt)
-        s_in = scan.state_at(maps, rank)  # what cp_chunk_kda computes after the all-gather
+        s_in = exclusive(M, St, reverse=False)
         backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
         return M, s_in, backend.keep_for_backward(prepared) if keep else ()
 
@@ -89,9 +100,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
         M, s_in, kept = cp_fwd(keep=True)
         prepared = for_backward(kept) or backend.prepare(q, k, v, g, beta, opts)
         G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
-        maps = scan.AffineMap(others.M.clone(), others.S.clone())
-        maps.M[rank], maps.S[rank] = M, G
-        d_end = scan.transposed_state_at(maps, rank)
+        d_end = exclusive(M, G, reverse=True)
         return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts, prepared=prepared)
 
     with torch.no_grad():
