@@ -173,7 +173,7 @@ class _ConvSiluNorm(torch.autograd.Function):
         if compiled and _use_kernel(x, weight, splits, head_dim, "fwd"):
             from kda_cp.kernels.conv import conv_silu_norm_fwd
             return conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps)
-        return (_compiled(_csn_fwd) if compiled else _csn_fwd)(x, weight, halo, lags, splits, head_dim, eps)
+        return _run(_csn_fwd, compiled, x, weight, halo, lags, splits, head_dim, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -184,8 +184,8 @@ class _ConvSiluNorm(torch.autograd.Function):
             from kda_cp.kernels.conv import conv_silu_norm_bwd as bwd
             dx, dw, dhalo = bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps)
         else:
-            bwd = _compiled(_csn_bwd) if compiled else _csn_bwd  # unused outputs arrive as zeros
-            dx, dw, dhalo = bwd(x, weight, halo, lags, dq, dk, dv, splits, head_dim, eps)
+            # unused outputs arrive as zeros
+            dx, dw, dhalo = _run(_csn_bwd, compiled, x, weight, halo, lags, dq, dk, dv, splits, head_dim, eps)
         return dx, dw, dhalo, None, None, None, None, None
 
 
@@ -198,27 +198,27 @@ def _l2_norm_cast(x, eps):
     return _l2_norm(x.to(_cdt(x.dtype)), eps).to(x.dtype)
 
 
-def _kda_gate(z, A_log, dt_bias, g_min, b, beta_scale):
-    cdt = _cdt(z.dtype)
-    H, K = z.shape[-2:]
-    zf = z.to(cdt)
-    if dt_bias is not None:
-        zf = zf + dt_bias.to(cdt).reshape(H, K)
-    a = A_log.to(cdt).exp()[:, None]
-    g = -a * F.softplus(zf) if g_min is None else g_min * torch.sigmoid(a * zf)
-    beta = None if b is None else beta_scale * torch.sigmoid(b.to(cdt))
-    return g, beta
-
-
-def _kda_gate_bwd(dg, z, A_log, dt_bias, g_min):
-    """(dz, dA_log, ddt_bias or None) of _kda_gate's g, by hand (the kernel's math, in fp32 or fp64)."""
+def _gate_inputs(z, A_log, dt_bias):
+    """(u = z + dt_bias, a = exp(A_log) per head as [H, 1]) in the compute dtype."""
     cdt = _cdt(z.dtype)
     H, K = z.shape[-2:]
     u = z.to(cdt)
     if dt_bias is not None:
         u = u + dt_bias.to(cdt).reshape(H, K)
-    a = A_log.to(cdt).exp()[:, None]
-    dg = dg.to(cdt)
+    return u, A_log.to(cdt).exp()[:, None]
+
+
+def _kda_gate(z, A_log, dt_bias, g_min, b, beta_scale):
+    zf, a = _gate_inputs(z, A_log, dt_bias)
+    g = -a * F.softplus(zf) if g_min is None else g_min * torch.sigmoid(a * zf)
+    beta = None if b is None else beta_scale * torch.sigmoid(b.to(zf.dtype))
+    return g, beta
+
+
+def _kda_gate_bwd(dg, z, A_log, dt_bias, g_min):
+    """(dz, dA_log, ddt_bias or None) of _kda_gate's g, by hand (the kernel's math, in fp32 or fp64)."""
+    u, a = _gate_inputs(z, A_log, dt_bias)
+    dg = dg.to(u.dtype)
     if g_min is None:  # g = -a softplus(u)
         dz = -dg * a * torch.sigmoid(u)
         da = dg * (-a * F.softplus(u))
@@ -248,7 +248,7 @@ class _KDAGate(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused g or beta gets no backward pass at all
         ctx.save_for_backward(z, A_log, dt_bias, b)
         ctx.args = (g_min, beta_scale, compiled)
-        return (_compiled(_kda_gate) if compiled else _kda_gate)(z, A_log, dt_bias, g_min, b, beta_scale)
+        return _run(_kda_gate, compiled, z, A_log, dt_bias, g_min, b, beta_scale)
 
     @staticmethod
     @first_order_only("kda_gate")
@@ -262,11 +262,11 @@ class _KDAGate(torch.autograd.Function):
             if norm is not None and norm.gate_supported(z, A_log, dt_bias)[0]:
                 dz, dA, ddt = norm.kda_gate_bwd(dg, z, A_log, dt_bias, g_min)
             else:
-                dz, dA, ddt = (_compiled(_kda_gate_bwd) if compiled else _kda_gate_bwd)(dg, z, A_log, dt_bias, g_min)
+                dz, dA, ddt = _run(_kda_gate_bwd, compiled, dg, z, A_log, dt_bias, g_min)
             dz, dA = dz.to(z.dtype), dA.to(A_log.dtype)
             ddt = None if ddt is None else ddt.to(dt_bias.dtype)
         if b is not None and dbeta is not None and ctx.needs_input_grad[3]:
-            db = (_compiled(_beta_bwd) if compiled else _beta_bwd)(dbeta, b, beta_scale).to(b.dtype)
+            db = _run(_beta_bwd, compiled, dbeta, b, beta_scale).to(b.dtype)
         return dz, dA, ddt, db, None, None, None
 
 
@@ -282,13 +282,14 @@ def _rms_norm_gated_bwd(x, weight, gate, dy, eps):
     """(dx, dweight, dgate) of _rms_norm_gated, by hand (the kernel's math)."""
     cdt = _cdt(x.dtype)
     xf = x.to(cdt)
-    xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xh = xf * r
     s = torch.sigmoid(gate.to(cdt).reshape(x.shape))
     w = weight.to(cdt)
     dy = dy.to(cdt).reshape(x.shape)
     dgate = dy * xh * w * s * (1 - s)
     dxh = dy * s * w
-    dx = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (dxh - xh * (dxh * xh).mean(-1, keepdim=True))
+    dx = r * (dxh - xh * (dxh * xh).mean(-1, keepdim=True))
     dw = (dy * s * xh).sum(tuple(range(x.dim() - 1)))
     return dx.to(x.dtype), dw.to(weight.dtype), dgate.reshape(gate.shape).to(gate.dtype)
 
@@ -305,7 +306,7 @@ class _RMSNormGated(torch.autograd.Function):
         norm = _norm_kernels("fwd", x) if compiled else None
         if norm is not None and norm.norm_supported(x, weight, gate, out_dtype)[0]:
             return norm.rms_norm_gated_fwd(x, weight, gate, eps, out_dtype)
-        return (_compiled(_rms_norm_gated) if compiled else _rms_norm_gated)(x, weight, gate, eps, out_dtype)
+        return _run(_rms_norm_gated, compiled, x, weight, gate, eps, out_dtype)
 
     @staticmethod
     @first_order_only("rms_norm_gated")
@@ -317,8 +318,7 @@ class _RMSNormGated(torch.autograd.Function):
         if norm is not None and norm.norm_supported(x, weight, gate, dy.dtype)[0]:
             dx, dw, dgate = norm.rms_norm_gated_bwd(x, weight, gate, dy, eps)
         else:
-            dx, dw, dgate = (_compiled(_rms_norm_gated_bwd) if compiled else _rms_norm_gated_bwd)(x, weight, gate, dy,
-                                                                                                  eps)
+            dx, dw, dgate = _run(_rms_norm_gated_bwd, compiled, x, weight, gate, dy, eps)
         need = ctx.needs_input_grad
         return dx if need[0] else None, dw if need[1] else None, dgate if need[2] else None, None, None, None
 
@@ -327,8 +327,8 @@ class _RMSNormGated(torch.autograd.Function):
 def _compiled(fn):
     """fn as one torch.compile graph. dynamic=None: the first shape compiles static, a second one a
     graph with symbolic sizes. Each head layout, dtype or packed/dense form is a graph of its own;
-    a process with more of them than Dynamo's recompile limit (several layer shapes, a test
-    session) compiles up to _RECOMPILE_LIMIT graphs of fn, and a call past that runs eagerly, with
+    a process with more of them than Dynamo's recompile limit (several layer shapes, a pytest
+    run) compiles up to _RECOMPILE_LIMIT graphs of fn, and a call past that runs eagerly, with
     one warning (fullgraph=True would otherwise make the limit an error). Graphs already compiled
     keep serving their calls."""
     graph = torch.compile(fn, fullgraph=True, dynamic=None)
@@ -495,7 +495,7 @@ def kda_gate(z, A_log, dt_bias=None, g_min: float | None = -5.0, b=None, *, beta
         compiled = use_compiled(z)
     g_min = None if g_min is None else float(g_min)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (z, A_log, dt_bias, b)):
-        return (_compiled(_kda_gate) if compiled else _kda_gate)(z, A_log, dt_bias, g_min, b, float(beta_scale))
+        return _run(_kda_gate, compiled, z, A_log, dt_bias, g_min, b, float(beta_scale))
     return _KDAGate.apply(z, A_log, dt_bias, b, g_min, float(beta_scale), compiled)
 
 
