@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from kda_cp import glue
 from kda_cp.kernels._common import device_offsets
-from kda_cp.ops import BACKENDS, check_chunk_size, check_cu_seqlens, check_cu_seqlens_tensor, chunk_kda, layout_known
+from kda_cp.ops import (BACKENDS, check_chunk_size, check_cu_seqlens, check_cu_seqlens_tensor, check_segment_len, chunk_kda,
+                        layout_known)
 from kda_cp.parallel.layers.attention import cp_attention
 from kda_cp.parallel.layers.context import CP_STRATEGIES, CPContext
 from kda_cp.parallel.exchange import check_and_agree, digest, dtype_code
@@ -100,9 +101,10 @@ class KDAConfig:
     """See decay_init_min."""
     chunk_size: int = 64
     """Chunk length of the chunked KDA op."""
-    segment_len: int | None = None
+    segment_len: int | str | None = "auto"
     """Cut each sequence (each CP rank's shard) into segments of this many tokens, a multiple of
-    chunk_size, run as parallel chains (kda_cp.chunk_kda's segment_len, docs/design.md §10); None: no split."""
+    chunk_size, run as parallel chains (kda_cp.chunk_kda's segment_len, docs/design.md §10);
+    "auto": where the state passes would leave the GPU underfilled; None: no split."""
     norm_eps: float = 1e-6
     """Epsilon of the per-head RMSNorm and of the L2 normalization of q and k."""
     backend: str = "auto"
@@ -110,7 +112,7 @@ class KDAConfig:
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_heads", "head_dim", "conv_size", "chunk_size", "num_v_heads", "value_dim",
-                     "gate_rank", "output_gate_rank", "segment_len"):
+                     "gate_rank", "output_gate_rank"):
             x = getattr(self, name)
             if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
                 raise ValueError(f"KDAConfig.{name} must be an int, got {x!r}")
@@ -139,9 +141,10 @@ class KDAConfig:
             check_chunk_size(self.chunk_size)
         except ValueError as exc:
             raise ValueError(f"KDAConfig.{exc}") from None
-        if self.segment_len is not None and (self.segment_len < 1 or self.segment_len % self.chunk_size):
-            raise ValueError(f"KDAConfig.segment_len must be a positive multiple of chunk_size = {self.chunk_size} "
-                             f"or None, got {self.segment_len}")
+        try:
+            check_segment_len(self.segment_len, self.chunk_size)
+        except ValueError as exc:
+            raise ValueError(f"KDAConfig.{exc}") from None
         if self.backend not in BACKENDS:
             raise ValueError(f"KDAConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0 < self.decay_init_min <= self.decay_init_max < (math.inf if self.g_min is None else -self.g_min):

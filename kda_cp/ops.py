@@ -492,20 +492,34 @@ def get_backend(name: BackendName, q, k, v, g, beta, cu_seqlens=None, g_min: flo
 
 
 def check_segment_len(segment_len, chunk_size: int) -> None:
-    """ValueError unless segment_len is None or a positive int multiple of chunk_size."""
-    if segment_len is None:
+    """ValueError unless segment_len is "auto", None or a positive int multiple of chunk_size."""
+    if segment_len is None or (isinstance(segment_len, str) and segment_len == "auto"):
         return
     if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1 or segment_len % chunk_size:
-        raise ValueError(f"segment_len must be a positive multiple of chunk_size = {chunk_size}, got {segment_len!r}")
+        raise ValueError(f"segment_len must be \"auto\", None or a positive multiple of chunk_size = {chunk_size}, "
+                         f"got {segment_len!r}")
 
 
-def segmented(impl: Backend, segment_len: int, chunk_size: int) -> Backend:
-    """``impl`` run on segments of ``segment_len`` tokens (:class:`kda_cp.parallel.segments.SegmentedBackend`).
+def _bounds(B: int, T: int, cu_seqlens) -> tuple[int, ...]:
+    """Sequence offsets on the host: cu_seqlens' recorded values, else B rows of T tokens."""
+    if cu_seqlens is None:
+        return tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
+    from kda_cp.kernels._common import host_offsets
+
+    return host_offsets(cu_seqlens)
+
+
+def segmented(impl: Backend, segment_len, chunk_size: int) -> Backend:
+    """``impl`` run on segments of ``segment_len`` tokens (:class:`kda_cp.parallel.segments.SegmentedBackend`);
+    None: ``impl`` itself. "auto": on the TileLang kernels at chunk size 64, a wrapper that splits
+    each call where :func:`kda_cp.parallel.segments.auto_segment_len` says so; elsewhere ``impl``.
 
     Raises:
-        ValueError: segment_len not a positive int multiple of chunk_size.
+        ValueError: segment_len not "auto", None or a positive int multiple of chunk_size.
     """
     check_segment_len(segment_len, chunk_size)
+    if segment_len is None or (segment_len == "auto" and (impl.name != "tilelang" or chunk_size != 64)):
+        return impl
     from kda_cp.parallel.segments import SegmentedBackend  # kda_cp.parallel imports this module
 
     return SegmentedBackend(impl, segment_len)
@@ -701,10 +715,16 @@ class GatedChunkKDAFunction(torch.autograd.Function):
 
 def _kernel_gate_backend(backend, q, k, v, z, b, cu_seqlens, g_min, chunk_size, segment_len):
     """The TileLang backend when the gate can run inside its chunk-local kernel for these inputs
-    (bounded gate, no segments, inputs the kernels cover), else None (the gate then runs as glue)."""
+    (bounded gate, no segment split, inputs the kernels cover), else None (the gate then runs as glue)."""
     if os.environ.get("KDA_CP_GATE_IN_KERNEL", "0") != "1":  # opt-in: no faster in the layer (docs/kernels.md)
         return None
-    if backend == "torch" or g_min is None or segment_len is not None or chunk_size != 64 or not q.is_cuda:
+    if backend == "torch" or g_min is None or chunk_size != 64 or not q.is_cuda:
+        return None
+    if segment_len == "auto":
+        from kda_cp.parallel.segments import auto_segment_len
+
+        segment_len = auto_segment_len(_bounds(q.shape[0], q.shape[1], cu_seqlens), v.shape[2], v.shape[3])
+    if segment_len is not None:
         return None
     kernels, _ = _tilelang_kernels()
     if kernels is None or not hasattr(kernels, "KernelGate"):
@@ -762,7 +782,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-    segment_len: int | None = None,
+    segment_len: int | str | None = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (Kimi Linear arXiv:2510.26692, Eq. 1 and Eqs. 7-9).
 
@@ -807,7 +827,9 @@ def chunk_kda(
         segment_len: cut every sequence into segments of this many tokens (a multiple of
             chunk_size) run as parallel chains joined by a scan of their affine maps
             (:mod:`kda_cp.parallel.segments`): more parallel work for few sequences x heads, at
-            the cost of a summary pass and a state-gradient pass. None: no split.
+            the cost of a summary pass and a state-gradient pass. "auto" (default): split where
+            the state passes would leave the GPU underfilled
+            (:func:`kda_cp.parallel.segments.auto_segment_len`; TileLang kernels only); None: never.
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.
@@ -882,8 +904,7 @@ def chunk_kda(
     opts = KDAOptions(scale=K**-0.5 if scale is None else float(scale), chunk_size=chunk_size,
                       output_final_state=output_final_state, g_min=g_min)
     impl = get_backend(backend, q, k, v, g, beta, cu_seqlens, g_min, chunk_size)
-    if segment_len is not None:
-        impl = segmented(impl, segment_len, chunk_size)
+    impl = segmented(impl, segment_len, chunk_size)
     n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
     sdt = reference._compute_dtype(q.dtype)
     h0 = q.new_zeros(n_states, H, K, V, dtype=sdt) if initial_state is None else initial_state

@@ -88,6 +88,7 @@ def bench_segments(shapes, segment_lens, repeats, fla_chunk_kda):
     """chunk_kda (autograd, TileLang backend) forward and forward+backward without and with the
     intra-device split (segment_len), and the peer's chunk_kda, at SEGMENT_SHAPES."""
     from kda_cp.ops import chunk_kda
+    from kda_cp.parallel.segments import auto_segment_len
 
     rows = {}
     for name in shapes:
@@ -107,24 +108,25 @@ def bench_segments(shapes, segment_lens, repeats, fla_chunk_kda):
             row[f"{name_}_fwd_ms"] = time_ms(fwd, repeats)
             row[f"{name_}_fwd_bwd_ms"] = time_ms(fwd_bwd, repeats)
 
-        for L in [None, *segment_lens]:
+        for L in [None, "auto", *segment_lens]:  # "auto": the default, what the rule picks here
             run(lambda *x, L=L: chunk_kda(*x, backend="tilelang", check_gate=False, segment_len=L),
-                "plain" if L is None else f"split{L}")
+                {None: "plain", "auto": "auto"}.get(L, f"split{L}"))
+        row["auto_segment_len"] = auto_segment_len((0, s["T"]), s["H"], s["V"])
         if fla_chunk_kda is not None:
             run(lambda *x: fla_chunk_kda(*x, safe_gate=True, lower_bound=-5.0), "fla")
         rows[name] = row
         print(name, json.dumps(row), flush=True)
         del q, k, v, g, beta, do, leaves
         torch.cuda.empty_cache()
-    print("\n| shape | plain fwd / fwd+bwd ms | " + " | ".join(f"segment_len {L} fwd / fwd+bwd ms" for L in segment_lens)
-          + " | fla fwd / fwd+bwd ms | fla / best kda_cp fwd+bwd |")
-    print("|---" * (3 + len(segment_lens)) + "|---|")
+    print("\n| shape | plain (None) fwd / fwd+bwd ms | " + " | ".join(f"segment_len {L} fwd / fwd+bwd ms" for L in segment_lens)
+          + " | auto picks | auto fwd / fwd+bwd ms | fla fwd / fwd+bwd ms | fla / auto fwd+bwd |")
+    print("|---" * (4 + len(segment_lens)) + "|---|---|")
     for name, r in rows.items():
-        keys = ["plain", *(f"split{L}" for L in segment_lens)]
+        keys = ["plain", *(f"split{L}" for L in segment_lens), "auto"]
         cells = [f"{r[f'{k}_fwd_ms']:.3f} / {r[f'{k}_fwd_bwd_ms']:.3f}" for k in keys]
-        best = min(r[f"{k}_fwd_bwd_ms"] for k in keys)
+        cells.insert(-1, str(r["auto_segment_len"] or "no split"))
         fla = f"{r['fla_fwd_ms']:.3f} / {r['fla_fwd_bwd_ms']:.3f}" if "fla_fwd_ms" in r else "-"
-        ratio = f"{r['fla_fwd_bwd_ms'] / best:.2f}x" if "fla_fwd_ms" in r else "-"
+        ratio = f"{r['fla_fwd_bwd_ms'] / r['auto_fwd_bwd_ms']:.2f}x" if "fla_fwd_ms" in r else "-"
         print(f"| {name} | " + " | ".join(cells) + f" | {fla} | {ratio} |")
     return rows
 

@@ -417,7 +417,7 @@ def cp_chunk_kda(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-    segment_len: int | None = None,
+    segment_len: int | str | None = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence sharded across ``cp_group``; equals :func:`kda_cp.chunk_kda` on the whole.
 
@@ -524,8 +524,7 @@ def cp_chunk_kda(
         exchange_kind = choose_exchange(exchange, size)
         dense = dense_on_cuda(q, k, v, g, beta)
         impl = get_backend(backend, *dense, None, g_min, chunk_size)  # a bad backend fails here
-        if segment_len is not None:
-            impl = segmented(impl, segment_len, chunk_size)
+        impl = segmented(impl, segment_len, chunk_size)
     except Exception as exc:  # any failure on one rank must reach every rank (no hang)
         error = f"cp_chunk_kda on rank {rank}: {exc}"
         exchange_kind = "allgather"

@@ -27,7 +27,29 @@ from kda_cp import scan
 from kda_cp.kernels._common import device_offsets, host_offsets
 from kda_cp.ops import Backend, Grads, KDAOptions
 
-__all__ = ["SegmentedBackend", "SegmentPlan", "segment_plan"]
+__all__ = ["SegmentedBackend", "SegmentPlan", "segment_plan", "auto_segment_len", "AUTO_SEGMENT_LEN"]
+
+#: segment_len="auto" (kda_cp.ops.resolve_segment_len) on the TileLang kernels: segments of
+#: AUTO_SEGMENT_LEN tokens when every (sequence, value head) chain together carries at most
+#: AUTO_MAX_COLUMNS value columns and the longest sequence has at least AUTO_MIN_TOKENS tokens.
+#: H100, forward+backward (docs/benchmarks.md, "Segments inside one GPU"): B=1, K=V=128,
+#: unsplit / split at 8192: H=8 T=65536 6.39 / 5.58 ms, H=4 T=131072 8.50 / 6.01 ms, both split;
+#: H=16 T=32768 4.99 / 5.35 ms and H=32 T=16384 4.58 / 5.27 ms, both unsplit. Segments of 4096
+#: lose to 8192 in every row (more chains, each with its summary and scan step).
+AUTO_SEGMENT_LEN = 8192
+AUTO_MAX_COLUMNS = 8 * 128
+AUTO_MIN_TOKENS = 65536
+
+
+def auto_segment_len(bounds: tuple[int, ...], heads: int, V: int) -> int | None:
+    """The "auto" segment length for sequences with host offsets ``bounds`` [N + 1], ``heads``
+    value heads of V columns each: AUTO_SEGMENT_LEN where the state passes would leave the GPU
+    underfilled (few chains, long sequences), else None (no split)."""
+    n = len(bounds) - 1
+    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)
+    if n < 1 or n * heads * V > AUTO_MAX_COLUMNS or longest < AUTO_MIN_TOKENS:
+        return None
+    return AUTO_SEGMENT_LEN
 
 
 @dataclass(frozen=True)
@@ -101,22 +123,31 @@ class SegmentedBackend(Backend):
         ValueError: segment_len not a positive multiple of the chunk size (at the first call).
     """
 
-    def __init__(self, inner: Backend, segment_len: int) -> None:
-        self.inner, self.segment_len = inner, int(segment_len)
+    def __init__(self, inner: Backend, segment_len: int | str) -> None:
+        self.inner = inner
+        self.segment_len = segment_len if segment_len == "auto" else int(segment_len)
         self.name = f"{inner.name}+segments"
 
     # -- layout ----------------------------------------------------------------------------
-    def _plan(self, q, cu_seqlens, opts, prepared=None) -> SegmentPlan:
+    def _plan(self, q, v, cu_seqlens, opts, prepared=None) -> SegmentPlan | None:
+        """The call's segments, or None where it runs ``inner`` unsplit (no tokens, or "auto"
+        chose no split)."""
         if isinstance(prepared, _Prepared):  # made by prepare(): no second read of cu_seqlens
             return prepared.plan
+        if prepared is not None:  # prepare() ran inner unsplit
+            return None
         L = self.segment_len
-        if L < 1 or L % opts.chunk_size:
+        if L != "auto" and (L < 1 or L % opts.chunk_size):
             raise ValueError(f"segment_len must be a positive multiple of chunk_size = {opts.chunk_size}, got {L}")
         B, T = q.shape[:2]
         if cu_seqlens is None:
             bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
         else:
             bounds = host_offsets(cu_seqlens)
+        if L == "auto":
+            L = auto_segment_len(bounds, v.shape[2], v.shape[3])
+        if L is None or not bounds[-1]:  # no split chosen, or no tokens to split
+            return None
         return segment_plan(bounds, L)
 
     @staticmethod
@@ -195,15 +226,15 @@ class SegmentedBackend(Backend):
 
     # -- Backend -----------------------------------------------------------------------------
     def prepare(self, q, k, v, g, beta, opts, cu_seqlens=None):
-        plan = self._plan(q, cu_seqlens, opts)
-        if not plan.cu[-1]:
+        plan = self._plan(q, v, cu_seqlens, opts)
+        if plan is None:
             return self.inner.prepare(q, k, v, g, beta, opts, cu_seqlens)
         flat = list(map(self._flat, (q, k, v, g, beta)))
         return _Prepared(plan, self.inner.prepare(*flat, opts, self._dev(plan, q)[0]))
 
     def fwd(self, q, k, v, g, beta, h0, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts, prepared)
-        if not plan.cu[-1]:  # no tokens: nothing to split
+        plan = self._plan(q, v, cu_seqlens, opts, prepared)
+        if plan is None:
             return self.inner.fwd(q, k, v, g, beta, h0, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
         prepared = prepared if prepared is not None else _Prepared(plan, None)
@@ -214,8 +245,8 @@ class SegmentedBackend(Backend):
         return o.reshape(*q.shape[:3], v.shape[-1]), ht[last]
 
     def bwd(self, q, k, v, g, beta, h0, do, dht, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts, prepared)
-        if not plan.cu[-1]:
+        plan = self._plan(q, v, cu_seqlens, opts, prepared)
+        if plan is None:
             return self.inner.bwd(q, k, v, g, beta, h0, do, dht, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
         prepared = prepared if prepared is not None else _Prepared(plan, None)
@@ -254,8 +285,8 @@ class SegmentedBackend(Backend):
         return M[last], S[last]
 
     def state_grad(self, q, k, v, g, beta, do, opts, cu_seqlens=None, prepared=None):
-        plan = self._plan(q, cu_seqlens, opts, prepared)
-        if not plan.cu[-1]:
+        plan = self._plan(q, v, cu_seqlens, opts, prepared)
+        if plan is None:
             return self.inner.state_grad(q, k, v, g, beta, do, opts, cu_seqlens, prepared=prepared)
         flat = list(map(self._flat, (q, k, v, g, beta)))
         if prepared is None:  # nothing to share with a backward that follows
@@ -275,8 +306,8 @@ class SegmentedBackend(Backend):
         return (torch.tensor(len(inner)), *inner, *extra)
 
     def restore_prepared(self, q, k, v, g, beta, kept, opts, cu_seqlens=None):
-        plan = self._plan(q, cu_seqlens, opts)
-        if not plan.cu[-1]:
+        plan = self._plan(q, v, cu_seqlens, opts)
+        if plan is None:
             return self.inner.restore_prepared(q, k, v, g, beta, kept, opts, cu_seqlens)
         n = int(kept[0])
         inner_kept, extra = kept[1:1 + n], kept[1 + n:]

@@ -80,9 +80,11 @@ def test_layer_bad_input():
         KDAConfig(g_min=-6.0)
     with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 4"):
         KDAConfig(num_heads=4, num_v_heads=6)
-    with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 64"):
-        KDAConfig(segment_len=100)
-    for name, bad in (("segment_len", 64.0), ("num_v_heads", "4"), ("num_heads", True), ("allow_neg_eigval", "no")):
+    for bad in (100, 64.0, "on"):
+        with pytest.raises(ValueError, match='KDAConfig.segment_len must be "auto", None or a positive multiple of '
+                                             'chunk_size = 64'):
+            KDAConfig(segment_len=bad)
+    for name, bad in (("num_v_heads", "4"), ("num_heads", True), ("allow_neg_eigval", "no")):
         with pytest.raises(ValueError, match=f"KDAConfig.{name} must be an? (int|bool), got"):
             KDAConfig(**{name: bad})
     with pytest.raises(ValueError, match="input_ids"):

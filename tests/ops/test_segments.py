@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kda_cp import chunk_kda, naive_recurrent_kda
-from kda_cp.parallel.segments import segment_plan
+from kda_cp.ops import ChunkKDAFunction, KDAOptions, get_backend, segmented
+from kda_cp.parallel import segments
+from kda_cp.parallel.segments import SegmentedBackend, auto_segment_len, segment_plan
 
 from tests._utils import assert_close, make_inputs
 
@@ -65,9 +67,61 @@ def test_plan_and_bad_segment_len():
     assert plan.per_sequence == 0  # 3, 1, 1 and 7 segments: chains by index
     assert segment_plan((0, 77, 154), 16).per_sequence == 5  # dense rows: chains by depth
     q, k, v, g, beta, _ = make_inputs(1, 20, 1, 4, 4, seed=1)
-    for bad in (0, 24, 16.0, True):
-        with pytest.raises(ValueError, match="segment_len must be a positive multiple of chunk_size = 16"):
+    for bad in (0, 24, 16.0, True, "always"):
+        with pytest.raises(ValueError, match='segment_len must be "auto", None or a positive multiple of chunk_size = 16'):
             chunk_kda(q, k, v, g, beta, chunk_size=16, segment_len=bad)
+
+
+def test_auto_rule_splits_only_few_long_chains():
+    """segment_len="auto": a split for few (sequence, value head) chains over long sequences only."""
+    L = segments.AUTO_SEGMENT_LEN
+    assert auto_segment_len((0, 65536), 8, 128) == L  # B=1, H=8, T=64k
+    assert auto_segment_len((0, 131072), 4, 128) == L
+    assert auto_segment_len((0, 100, 70000), 4, 128) == L  # packed: 2 sequences x 4 heads, one long
+    assert auto_segment_len((0, 65536), 16, 64) == L  # the same walk blocks with half the columns
+    assert auto_segment_len((0, 65536), 16, 128) is None  # enough chains
+    assert auto_segment_len((0, 65536, 131072), 8, 128) is None  # two rows: 16 chains
+    assert auto_segment_len((0, 32768), 8, 128) is None  # too short to pay for the summary pass
+    assert auto_segment_len((0, 0), 1, 128) is None and auto_segment_len((0,), 1, 128) is None
+
+
+def test_auto_is_off_on_the_torch_backend():
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 4, 4, seed=2)
+    impl = get_backend("torch", q, k, v, g, beta)
+    assert segmented(impl, "auto", 64) is impl and segmented(impl, None, 64) is impl
+    assert isinstance(segmented(impl, 64, 64), SegmentedBackend)
+
+
+@pytest.mark.parametrize("T,cu,splits", [
+    (150, None, True), (40, None, False),  # long enough / too short for the (lowered) thresholds
+    (150, [0, 10, 150], True),  # packed: one long sequence among a short one
+    (150, [0, 50, 100, 150], False),  # packed: too many chains
+], ids=["dense-split", "dense-short", "packed-split", "packed-many"])
+def test_auto_wrapper_matches_the_recurrence(monkeypatch, T, cu, splits):
+    """The "auto" wrapper (as the TileLang backend gets it) on the torch backend with the thresholds
+    lowered to these sizes: it splits where the rule says and equals the fp64 recurrence either way."""
+    monkeypatch.setattr(segments, "AUTO_SEGMENT_LEN", 32)
+    monkeypatch.setattr(segments, "AUTO_MIN_TOKENS", 100)
+    monkeypatch.setattr(segments, "AUTO_MAX_COLUMNS", 2 * 2 * 6)
+    H, K, V = 2, 8, 6
+    n = 1 if cu is None else len(cu) - 1
+    q, k, v, g, beta, _ = make_inputs(1, T, H, K, V, seed=T + n)
+    gen = torch.Generator().manual_seed(T * n)
+    h0 = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(n, H, K, V, generator=gen, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    opts = KDAOptions(scale=K**-0.5, chunk_size=16, output_final_state=True)
+    auto = SegmentedBackend(get_backend("torch", q, k, v, g, beta), "auto")
+    assert (auto._plan(q, v, cu_t, opts) is not None) == splits
+
+    def run(*a, initial_state, output_final_state, cu_seqlens):
+        return ChunkKDAFunction.apply(*a, initial_state, cu_seqlens, auto, opts)
+
+    want = _run(naive_recurrent_kda, q, k, v, g, beta, h0, do, dht, cu_t)
+    got = _run(run, q, k, v, g, beta, h0, do, dht, cu_t)
+    for name, w, x in zip(NAMES, want, got):
+        assert_close(name, w, x, 1e-10)
 
 
 def _cp_rank(rank, world, inputs, lengths, cu, L):
@@ -157,7 +211,7 @@ def test_ulysses_refuses_a_bad_segment_len_on_every_rank_before_the_exchange():
     from tests._dist import run_ranks
 
     errs = run_ranks(_ulysses_bad_rank, 2, timeout=90)
-    assert "rank(s) [1]" in errs[0] and "segment_len must be a positive multiple of chunk_size = 16" in errs[1], errs
+    assert "rank(s) [1]" in errs[0] and "a positive multiple of chunk_size = 16, got 24" in errs[1], errs
 
 
 def _ulysses_bad_rank(rank, world):

@@ -1,12 +1,14 @@
 """chunk_kda(segment_len=...) on the TileLang kernels (marker ``gpu``): against fp64 autograd of the
 per-token recurrence on the same bf16-rounded inputs, dense and packed, with initial and final
 states and T not a multiple of 64; against the unsplit kernels (cuts on the chunk grid); and
-bitwise equal from run to run. Tolerances as the kernels' own tests: o and the final state 5e-3,
+bitwise equal from run to run; segment_len="auto" (the default) splitting few long chains exactly as
+the explicit length does. Tolerances as the kernels' own tests: o and the final state 5e-3,
 dq, dk, dv, dh0 8e-3, dg, dbeta 2e-2; split against unsplit 1e-3."""
 import pytest
 import torch
 
 from kda_cp import chunk_kda, naive_recurrent_kda
+from kda_cp.parallel.segments import AUTO_MIN_TOKENS, AUTO_SEGMENT_LEN, auto_segment_len
 from tests._utils import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -46,6 +48,19 @@ def test_split_on_the_kernels_matches_fp64(B, cu, L):
     again = _run(chunk_kda, *inputs, cu_t, backend="tilelang", segment_len=L)
     for name, a, b in zip(TOL, got, again):
         assert torch.equal(a, b), f"{name}: not bitwise equal from run to run"
-    plain = _run(chunk_kda, *inputs, cu_t, backend="tilelang")
+    plain = _run(chunk_kda, *inputs, cu_t, backend="tilelang", segment_len=None)
     for name, a, b in zip(TOL, plain, got):
         assert_close(f"{name} (split vs unsplit)", a.detach().double(), b.detach().double(), 1e-3)
+
+
+def test_auto_splits_few_long_chains_as_the_explicit_length():
+    T, H = AUTO_MIN_TOKENS + 333, 2  # one sequence, 2 heads of 128 columns: "auto" splits
+    assert auto_segment_len((0, T), H, 128) == AUTO_SEGMENT_LEN
+    inputs = _inputs(1, T, H, 1)
+    auto = _run(chunk_kda, *inputs, None, backend="tilelang")
+    explicit = _run(chunk_kda, *inputs, None, backend="tilelang", segment_len=AUTO_SEGMENT_LEN)
+    for name, a, b in zip(TOL, auto, explicit):
+        assert torch.equal(a, b), f"{name}: auto differs from segment_len={AUTO_SEGMENT_LEN}"
+    plain = _run(chunk_kda, *inputs, None, backend="tilelang", segment_len=None)
+    for name, a, b in zip(TOL, plain, auto):
+        assert_close(f"{name} (auto vs unsplit)", a.detach().double(), b.detach().double(), 1e-3)

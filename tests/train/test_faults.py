@@ -429,7 +429,7 @@ def test_help_and_debug_traceback():
         assert text in proc.stdout, text
     assert "Powered by Hydra" not in proc.stdout
     proc = _python(["model.kda.segment_len=true", "parallel.cp=1"])  # Hydra's reason comes along
-    assert proc.returncode == 1 and "could not be converted to Integer" in _error_lines(proc.stderr)[0]
+    assert proc.returncode == 1 and "Value 'True' of type 'bool' is incompatible" in _error_lines(proc.stderr)[0]
     proc = _python(["+foo=1"])
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert _error_lines(proc.stderr) == [

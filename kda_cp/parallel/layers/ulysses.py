@@ -153,7 +153,7 @@ def ulysses_kda(
     impl: UlyssesImpl = "auto",
     check_gate: bool = True,
     allow_neg_eigval: bool = False,
-    segment_len: int | None = None,
+    segment_len: int | str | None = "auto",
 ) -> torch.Tensor:
     """KDA on a sequence sharded over ``cp_group``, head-parallel (Ulysses).
 
