@@ -225,8 +225,8 @@ def main():
     ap.add_argument("--segments", nargs="*", metavar="SHAPE", default=None,
                     help=f"time chunk_kda with and without segment_len at these of {list(SEGMENT_SHAPES)} "
                          "(all when none is named) instead of the forward table")
-    ap.add_argument("--segment-len", type=int, nargs="+", default=[4096, 8192],
-                    help="the segment lengths --segments compares with no split")
+    ap.add_argument("--segment-len", type=int, nargs="*", default=[4096, 8192],
+                    help="the segment lengths --segments compares with no split and with auto (none: those two alone)")
     ap.add_argument("--options", nargs="*", metavar="CASE", default=None,
                     help=f"time the peer's options {list(OPTION_CASES)} (all when none is named) at S1-shaped "
                          "inputs instead of the forward table")
