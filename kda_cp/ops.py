@@ -720,7 +720,7 @@ def _kernel_gate_backend(backend, q, k, v, z, b, cu_seqlens, g_min, chunk_size, 
         return None
     if backend == "torch" or g_min is None or chunk_size != 64 or not q.is_cuda:
         return None
-    if segment_len == "auto":
+    if segment_len == "auto" and q.dim() == v.dim() == 4:  # (malformed shapes fail the checks that follow)
         from kda_cp.parallel.segments import auto_segment_len
 
         segment_len = auto_segment_len(_bounds(q.shape[0], q.shape[1], cu_seqlens), v.shape[2], v.shape[3])

@@ -44,9 +44,10 @@ AUTO_MIN_TOKENS = 65536
 def auto_segment_len(bounds: tuple[int, ...], heads: int, V: int) -> int | None:
     """The "auto" segment length for sequences with host offsets ``bounds`` [N + 1], ``heads``
     value heads of V columns each: AUTO_SEGMENT_LEN where the state passes would leave the GPU
-    underfilled (few chains, long sequences), else None (no split)."""
-    n = len(bounds) - 1
-    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)
+    underfilled (few chains, long sequences), else None (no split). Empty sequences run no chain
+    and do not count."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    n, longest = len(lengths), max(lengths, default=0)
     if n < 1 or n * heads * V > AUTO_MAX_COLUMNS or longest < AUTO_MIN_TOKENS:
         return None
     return AUTO_SEGMENT_LEN
@@ -144,8 +145,8 @@ class SegmentedBackend(Backend):
             bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
         else:
             bounds = host_offsets(cu_seqlens)
-        if L == "auto":
-            L = auto_segment_len(bounds, v.shape[2], v.shape[3])
+        if L == "auto":  # measured on the bounded gate's kernels only: the general gate runs unsplit
+            L = None if opts.g_min is None else auto_segment_len(bounds, v.shape[2], v.shape[3])
         if L is None or not bounds[-1]:  # no split chosen, or no tokens to split
             return None
         return segment_plan(bounds, L)

@@ -280,11 +280,13 @@ register_configs()
 
 
 #: Keys a resume may change: they steer the loop, the output or the execution, not the function
-#: computed (data, model, optimizer, precision, seed and the cp layout must match the checkpoint).
+#: computed (data, model, optimizer, precision, seed and the cp layout must match the checkpoint);
+#: segment_len schedules the same recurrence (rounding-level differences only).
 RESUME_SAFE_KEYS = (
     "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.run_dir", "trainer.runs_root", "trainer.resume", "trainer.progress",
-    "trainer.plot", "trainer.peak_tflops", "data.val_batches", "model.kda.backend", "parallel.backend",
+    "trainer.plot", "trainer.peak_tflops", "data.val_batches", "model.kda.backend", "model.kda.segment_len",
+    "parallel.backend",
     "parallel.device", "parallel.timeout_s", "parallel.threads_per_rank", "parallel.strategy",
     "parallel.ulysses_impl", "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
     "deepspeed.overlap_comm", "deepspeed.contiguous_gradients", "deepspeed.param_persistence_threshold",

@@ -5,6 +5,8 @@ gradient. Fresh random inputs per case (fp64, torch backend)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,6 +85,7 @@ def test_auto_rule_splits_only_few_long_chains():
     assert auto_segment_len((0, 65536, 131072), 8, 128) is None  # two rows: 16 chains
     assert auto_segment_len((0, 32768), 8, 128) is None  # too short to pay for the summary pass
     assert auto_segment_len((0, 0), 1, 128) is None and auto_segment_len((0,), 1, 128) is None
+    assert auto_segment_len((0, 0, 0, 70000, 70000), 8, 128) == L  # empty sequences run no chain
 
 
 def test_auto_is_off_on_the_torch_backend():
@@ -114,6 +117,7 @@ def test_auto_wrapper_matches_the_recurrence(monkeypatch, T, cu, splits):
     opts = KDAOptions(scale=K**-0.5, chunk_size=16, output_final_state=True)
     auto = SegmentedBackend(get_backend("torch", q, k, v, g, beta), "auto")
     assert (auto._plan(q, v, cu_t, opts) is not None) == splits
+    assert auto._plan(q, v, cu_t, dataclasses.replace(opts, g_min=None)) is None  # the general gate: unsplit
 
     def run(*a, initial_state, output_final_state, cu_seqlens):
         return ChunkKDAFunction.apply(*a, initial_state, cu_seqlens, auto, opts)

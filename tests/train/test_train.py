@@ -262,6 +262,8 @@ def test_resume_compares_a_flat_model_config_with_the_nested_one():
     assert config_drift(old, now) == []
     old["model"]["backend"] = "torch"  # an execution key: may change on resume
     assert config_drift(old, now) == []
+    old["model"]["segment_len"] = None  # so is the split (None was the default before "auto")
+    assert now["model"]["kda"]["segment_len"] == "auto" and config_drift(old, now) == []
     old["model"]["num_heads"] = 8
     old["model"]["norm_eps"] = 1e-5  # the flat config's eps was the KDA layers' eps too
     assert config_drift(old, now) == ["model.attention.num_heads (8 -> 2)", "model.kda.norm_eps (1e-05 -> 1e-06)",
