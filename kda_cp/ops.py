@@ -829,7 +829,7 @@ def chunk_kda(
             (:mod:`kda_cp.parallel.segments`): more parallel work for few sequences x heads, at
             the cost of a summary pass and a state-gradient pass. "auto" (default): split where
             the state passes would leave the GPU underfilled
-            (:func:`kda_cp.parallel.segments.auto_segment_len`; TileLang kernels only); None: never.
+            (:func:`kda_cp.parallel.segments.auto_segment_len`; TileLang kernels, bounded gate); None: never.
 
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] fp32 (fp64 for fp64 inputs), or None.

@@ -29,7 +29,7 @@ from kda_cp.ops import Backend, Grads, KDAOptions
 
 __all__ = ["SegmentedBackend", "SegmentPlan", "segment_plan", "auto_segment_len", "AUTO_SEGMENT_LEN"]
 
-#: segment_len="auto" (kda_cp.ops.segmented) on the TileLang kernels: segments of
+#: segment_len="auto" (kda_cp.ops.segmented) on the TileLang kernels, bounded gate: segments of
 #: AUTO_SEGMENT_LEN tokens when every (sequence, value head) chain together carries at most
 #: AUTO_MAX_COLUMNS value columns and the longest sequence has at least AUTO_MIN_TOKENS tokens.
 #: H100, forward+backward (docs/benchmarks.md, "Segments inside one GPU"): B=1, K=V=128,
