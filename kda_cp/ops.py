@@ -500,15 +500,6 @@ def check_segment_len(segment_len, chunk_size: int) -> None:
                          f"got {segment_len!r}")
 
 
-def _bounds(B: int, T: int, cu_seqlens) -> tuple[int, ...]:
-    """Sequence offsets on the host: cu_seqlens' recorded values, else B rows of T tokens."""
-    if cu_seqlens is None:
-        return tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
-    from kda_cp.kernels._common import host_offsets
-
-    return host_offsets(cu_seqlens)
-
-
 def segmented(impl: Backend, segment_len, chunk_size: int) -> Backend:
     """``impl`` run on segments of ``segment_len`` tokens (:class:`kda_cp.parallel.segments.SegmentedBackend`);
     None: ``impl`` itself. "auto": on the TileLang kernels at chunk size 64, a wrapper that splits
@@ -721,9 +712,9 @@ def _kernel_gate_backend(backend, q, k, v, z, b, cu_seqlens, g_min, chunk_size, 
     if backend == "torch" or g_min is None or chunk_size != 64 or not q.is_cuda:
         return None
     if segment_len == "auto" and q.dim() == v.dim() == 4:  # (malformed shapes fail the checks that follow)
-        from kda_cp.parallel.segments import auto_segment_len
+        from kda_cp.parallel.segments import auto_split
 
-        segment_len = auto_segment_len(_bounds(q.shape[0], q.shape[1], cu_seqlens), v.shape[2], v.shape[3])
+        segment_len = auto_split(q, v, cu_seqlens, g_min)
     if segment_len is not None:
         return None
     kernels, _ = _tilelang_kernels()

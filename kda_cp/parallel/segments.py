@@ -53,6 +53,23 @@ def auto_segment_len(bounds: tuple[int, ...], heads: int, V: int) -> int | None:
     return AUTO_SEGMENT_LEN
 
 
+def sequence_bounds(B: int, T: int, cu_seqlens) -> tuple[int, ...]:
+    """A call's sequence offsets on the host: cu_seqlens' recorded values (no device read for
+    kda_cp's own copy), else B rows of T tokens."""
+    if cu_seqlens is None:
+        return tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
+    return host_offsets(cu_seqlens)
+
+
+def auto_split(q, v, cu_seqlens, g_min) -> int | None:
+    """What segment_len="auto" runs for these inputs: :func:`auto_segment_len` of their sequences
+    and value heads; None (no split) for the general gate (g_min None), where the rule was not
+    measured."""
+    if g_min is None:
+        return None
+    return auto_segment_len(sequence_bounds(q.shape[0], q.shape[1], cu_seqlens), v.shape[2], v.shape[3])
+
+
 @dataclass(frozen=True)
 class SegmentPlan:
     """How a call's sequences map to segments (packed over the flattened B * T tokens)."""
@@ -140,13 +157,9 @@ class SegmentedBackend(Backend):
         L = self.segment_len
         if L != "auto" and (L < 1 or L % opts.chunk_size):
             raise ValueError(f"segment_len must be a positive multiple of chunk_size = {opts.chunk_size}, got {L}")
-        B, T = q.shape[:2]
-        if cu_seqlens is None:
-            bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
-        else:
-            bounds = host_offsets(cu_seqlens)
-        if L == "auto":  # measured on the bounded gate's kernels only: the general gate runs unsplit
-            L = None if opts.g_min is None else auto_segment_len(bounds, v.shape[2], v.shape[3])
+        bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
+        if L == "auto":
+            L = auto_split(q, v, cu_seqlens, opts.g_min)
         if L is None or not bounds[-1]:  # no split chosen, or no tokens to split
             return None
         return segment_plan(bounds, L)
