@@ -244,17 +244,33 @@ def reverse_transposed_exclusive_scan(maps: AffineMap, method: ScanMethod = "log
     return AffineMap(out.M.flip(0), out.S.flip(0))
 
 
-def _mv_add(M: torch.Tensor, x: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """M @ x + S in one batched GEMM (baddbmm over the flattened leading dims)."""
-    out = torch.baddbmm(S.reshape(-1, *S.shape[-2:]), M.reshape(-1, *M.shape[-2:]), x.reshape(-1, *x.shape[-2:]))
-    return out.view(S.shape)
+def _mv_add(M: torch.Tensor, x: torch.Tensor, S: torch.Tensor, into_S: bool = False) -> torch.Tensor:
+    """M @ x + S in one batched GEMM (baddbmm over the flattened leading dims); with ``into_S``
+    written over S (a strided view is fine: cuBLAS takes its row stride), else a new tensor (one copy
+    of S plus the GEMM)."""
+    M, x = M.reshape(-1, *M.shape[-2:]), x.reshape(-1, *x.shape[-2:])
+    if into_S:
+        return S.reshape(-1, *S.shape[-2:]).baddbmm_(M, x).view(S.shape)
+    return torch.baddbmm(S.reshape(-1, *S.shape[-2:]), M, x).view(S.shape)
+
+
+def _chain(maps: AffineMap, x: torch.Tensor, steps, transposed: bool, scratch: bool) -> torch.Tensor:
+    """x <- M_j x + S_j (M_j^T with ``transposed``) for j in ``steps``. With ``scratch`` every step
+    but the last writes over S_j (the caller's buffer), so the chain makes one copy, not one per step."""
+    steps = list(steps)
+    for i, j in enumerate(steps):
+        M = maps.M[j].transpose(-1, -2) if transposed else maps.M[j]
+        x = _mv_add(M, x, maps.S[j], into_S=scratch and i < len(steps) - 1)
+    return x
 
 
 @ieee_fp32
-def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None) -> torch.Tensor:
+def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None, scratch: bool = False) -> torch.Tensor:
     """``apply(prefix_at(maps, r), x0)`` as a chain of states: x_{j+1} = M_j x_j + S_j from x_0 =
     ``x0`` (zero when None), one product per map and none of two M's (r - 1 batched GEMMs with
-    x0 None). What one rank's forward needs after an all-gather: its incoming state [..., K, V].
+    x0 None). What one rank's forward needs after an all-gather: its incoming state [..., K, V],
+    a new contiguous tensor. ``scratch``: ``maps`` is a buffer the caller discards (a gathered
+    one), so the chain may overwrite its S rows 0..r-2 instead of copying each step's addend.
 
     Raises:
         ValueError: on malformed shapes or r outside the stack.
@@ -265,20 +281,22 @@ def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None) -> torch.T
     if x0 is None:
         if r == 0:
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
-        x, first = maps.S[0].clone(memory_format=torch.contiguous_format), 1  # M_0 0 + S_0
+        if r == 1:
+            return maps.S[0].clone(memory_format=torch.contiguous_format)  # M_0 0 + S_0
+        x, first = maps.S[0], 1  # read, never written: every product below writes elsewhere
     else:  # a copy: the result never aliases the caller's tensor
         _check_state("x0", x0, maps)
         x, first = x0.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), 0
-    for j in range(first, r):
-        x = _mv_add(maps.M[j], x, maps.S[j])
-    return x
+    return _chain(maps, x, range(first, r), transposed=False, scratch=scratch) if r > first else x
 
 
 @ieee_fp32
-def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = None) -> torch.Tensor:
+def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = None,
+                        scratch: bool = False) -> torch.Tensor:
     """``apply(transposed_suffix_at(maps, r), seed)`` as a chain: d = seed (zero when None), then
     d = M_j^T d + G_j for j = P-1 down to r+1. What one rank's backward needs: the gradient of its
-    end state [..., K, V].
+    end state [..., K, V], a new contiguous tensor. ``scratch``: as in :func:`state_at` (rows
+    P-2..r+2 of S may be overwritten).
 
     Raises:
         ValueError: on malformed shapes or r outside the stack.
@@ -290,10 +308,10 @@ def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = Non
     if seed is None:
         if r == P - 1:
             return torch.zeros_like(maps.S[0], memory_format=torch.contiguous_format)
-        d, last = maps.S[P - 1].clone(memory_format=torch.contiguous_format), P - 2  # M^T 0 + G
+        if r == P - 2:
+            return maps.S[P - 1].clone(memory_format=torch.contiguous_format)  # M^T 0 + G
+        d, last = maps.S[P - 1], P - 2  # read, never written
     else:
         _check_state("seed", seed, maps)
         d, last = seed.to(maps.S.dtype, copy=True, memory_format=torch.contiguous_format), P - 1
-    for j in range(last, r, -1):
-        d = _mv_add(maps.M[j].transpose(-1, -2), d, maps.S[j])
-    return d
+    return _chain(maps, d, range(last, r, -1), transposed=True, scratch=scratch) if last > r else d

@@ -74,7 +74,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
         then the fold over the packed views."""
         torch.cat([M, S.to(sdt)], dim=-1, out=gathered[rank])
         maps = scan.AffineMap(gathered[..., :K], gathered[..., K:])
-        return _fold(maps, rank, "sequential", reverse)
+        return _fold(maps, rank, "sequential", reverse, scratch=True)
 
     def plain_fwd():
         return backend.fwd(q, k, v, g, beta, zero, opts)

@@ -105,12 +105,13 @@ def _local_h0(h0_global, s_in, plan):
     return rows
 
 
-def _fold(maps: scan.AffineMap, rank: int, method, reverse: bool, seed=None) -> torch.Tensor:
+def _fold(maps: scan.AffineMap, rank: int, method, reverse: bool, seed=None, scratch=False) -> torch.Tensor:
     """Rank ``rank``'s fold of the stacked pairs: its incoming state (forward, from zero) or the
     gradient of its end state (reverse, from ``seed``, zero when None). "sequential" chains the
-    states (one product per pair); "log_depth" composes a tree of maps first."""
+    states (one product per pair; with ``scratch`` over the S rows of ``maps``, a buffer the caller
+    discards); "log_depth" composes a tree of maps first."""
     if method == "sequential":
-        x = (scan.transposed_state_at if reverse else scan.state_at)(maps, rank, seed)
+        x = (scan.transposed_state_at if reverse else scan.state_at)(maps, rank, seed, scratch=scratch)
     else:
         f = (scan.transposed_suffix_at if reverse else scan.prefix_at)(maps, rank, method)
         x = f.S if seed is None else scan.apply(f, seed)
@@ -134,7 +135,7 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
     K = pair.M.shape[-1]
     packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
     maps = scan.AffineMap(packed[..., :K], packed[..., K:])
-    return _fold(maps, plan.rank, plan.scan_method, reverse, seed)
+    return _fold(maps, plan.rank, plan.scan_method, reverse, seed, scratch=True)  # packed is ours alone
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:

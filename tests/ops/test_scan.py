@@ -157,6 +157,18 @@ def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
                 assert r == P - 1 and x is None and torch.equal(got_b, want_b)
             else:
                 assert_close(f"transposed_state_at[{r}]", want_b, got_b, 1e-13)
+            # scratch: the chain may write over a gathered buffer's S rows (never its M rows), and
+            # returns a contiguous tensor of its own with the same values
+            for fn, want, name in ((scan.state_at, got_f, "state_at"), (scan.transposed_state_at, got_b, "transposed")):
+                buf = packed.clone()
+                got = fn(scan.AffineMap(buf[..., :K], buf[..., K:]), r, x, scratch=True)
+                ends = (buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
+                assert got.is_contiguous() and not ends[0] <= got.data_ptr() < ends[1], name
+                assert torch.equal(buf[..., :K], packed[..., :K]), f"{name}[{r}] wrote over an M"
+                if want.abs().max() == 0:
+                    assert torch.equal(got, want), f"{name}[{r}] scratch"
+                else:
+                    assert_close(f"{name}[{r}] scratch", want, got, 1e-13)
     with pytest.raises(ValueError, match="outside"):
         scan.state_at(maps, P)
     with pytest.raises(ValueError, match="outside"):
