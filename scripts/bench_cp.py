@@ -11,10 +11,10 @@ as cp_chunk_kda runs them on a rank that summarises its shard (kda_cp/parallel/c
     ratio       = CP time / plain local forward (or forward+backward) time
 
 It models the all-gather exchange with the default chain of states (exchange="allgather",
-scan_method="sequential"): this rank packs its pair into its row of the gathered buffer, the
-one copy cp_chunk_kda makes, and folds the packed views with cp_chunk_kda's own fold.
-The all-gathered pairs of the other ranks are random maps of the right shapes (the scan's cost does
-not depend on their values). Communication is not timed here: its volume is tabulated (it does not
+scan_method="sequential"): this rank packs its pair as cp_chunk_kda does (the summary's output is
+sent as it is; the backward's (M, G) pair is concatenated) and folds the gathered buffer with
+cp_chunk_kda's own fold, which reads the other ranks' rows only. Those are random maps of the right
+shapes (the scan's cost does not depend on their values). Communication is not timed here: its volume is tabulated (it does not
 depend on T) and measured in real multi-GPU runs elsewhere.
 
     python scripts/bench_cp.py --out bench_cp.json                       # GPU, TileLang backend
@@ -35,7 +35,7 @@ from _bench import kernel_launches, time_ms
 
 from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
-from kda_cp.parallel.cp import _fold
+from kda_cp.parallel.cp import _fold, _packed_row
 
 
 def added_by_cp(plain, cp):
@@ -64,16 +64,15 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
     opts = KDAOptions(scale=K**-0.5, chunk_size=64)
     sdt = torch.float32
     zero = torch.zeros(1, H, K, V, device=device, dtype=sdt)
-    # the all-gather's output buffer [P, 1, H, K, K + V] of packed (M, S) pairs, the other ranks' rows random
-    gathered = torch.cat([rnd(P, 1, H, K, K) / K, rnd(P, 1, H, K, V)], dim=-1)
+    # the all-gather's output buffer [P, 1, H, K, V + K] of packed (S, M) pairs, the other ranks' rows random
+    gathered = torch.cat([rnd(P, 1, H, K, V), rnd(P, 1, H, K, K) / K], dim=-1)
     rank = P // 2
 
     def exclusive(M, S, reverse):
-        """As cp._exclusive after the all-gather: this rank's pair packed into its row (the one
-        copy cp_chunk_kda makes before the gather; the gather's writes are communication, untimed),
-        then the fold over the packed views."""
-        torch.cat([M, S.to(sdt)], dim=-1, out=gathered[rank])
-        maps = scan.AffineMap(gathered[..., :K], gathered[..., K:])
+        """As cp._exclusive: this rank's row as cp_chunk_kda packs it (the gather's writes are
+        communication, untimed; the fold never reads this rank's own row), then the fold."""
+        _packed_row(scan.AffineMap(M, S.to(sdt)))
+        maps = scan.AffineMap(gathered[..., V:], gathered[..., :V])
         return _fold(maps, rank, "sequential", reverse, scratch=True)
 
     def plain_fwd():

@@ -365,7 +365,9 @@ def summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None, operands="bf16x2"):
     """Run the summary state kernel over the sequences of `seq` ([N, 4] int32 on the device):
     (M [N, H, K, K], S~ [N, H, K, V]) fp32. W is [NC, H, C, K] (fp32: Kd is Kd^T [NC, H, K, C]).
     With pieces > 1 each sequence is cut at chunk boundaries into that many parts, summarised in
-    parallel and composed in order (scan.compose, IEEE fp32): the same maps up to fp32 rounding."""
+    parallel and composed in order (scan.compose, IEEE fp32): the same maps up to fp32 rounding.
+    With one piece, M and S~ are views of the kernel's output [N, H, K, V + K] (S~ then M), which
+    CP's all-gather sends as it is (parallel.cp._packed_row)."""
     from .. import scan
     from .state import build_summary_kernel
 
@@ -380,7 +382,7 @@ def summary_run(W, U, Kd, Ec, seq, num_chunks, pieces=None, operands="bf16x2"):
     acc = scan.AffineMap(SM[:, 0, ..., V:], SM[:, 0, ..., :V])
     for i in range(1, p):
         acc = scan.compose(scan.AffineMap(SM[:, i, ..., V:], SM[:, i, ..., :V]), acc)
-    return acc.M.contiguous(), acc.S.contiguous()
+    return acc.M, acc.S
 
 
 def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = False):
@@ -400,7 +402,7 @@ def chunk_kda_summary_prepared(prepared: PreparedForward, *, last_only: bool = F
             the next rank).
     Returns:
         (M [N, H, K, K] fp32, S_tilde [N, H, K, V] fp32); N = 1 with ``last_only``. An empty
-        sequence gets (I, 0).
+        sequence gets (I, 0). Strided views of one buffer where the kernel ran as one piece.
     With ``last_only`` the launch is sized for that one sequence (cut into more pieces), so its map
     may differ from the full call's last row by fp32 rounding.
     Numerics: W and Kd are exact as operands and the state and V' are split into two pieces (bf16
@@ -437,7 +439,8 @@ def chunk_kda_summary(k, v, g, beta, *, chunk_size: int = 64, g_min: float | Non
         chunk_size: 64. g_min: declared gate bound in [-5, 0), or None for any g <= 0 (the
             general-gate chunk-local kernel, as :func:`chunk_kda_fwd`).
     Returns:
-        (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32).
+        (M [B, H, K, K] fp32, S_tilde [B, H, K, V] fp32), strided views of one buffer where the
+        kernel ran as one piece.
     Raises:
         ValueError on a shape, dtype, contiguity or option mismatch, or more than MAX_GRID_YZ
         batch rows or heads.

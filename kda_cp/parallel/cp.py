@@ -132,10 +132,25 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
             pair = scan.AffineMap(pair.M.transpose(-1, -2), pair.S)
         f = p2p_exclusive_scan(pair, group, reverse=reverse)
         return (f.S if seed is None else scan.apply(f, seed)).contiguous()
-    K = pair.M.shape[-1]
-    packed = all_gather_stack(torch.cat([pair.M, pair.S], dim=-1), group, overlap=overlap)
-    maps = scan.AffineMap(packed[..., :K], packed[..., K:])
-    return _fold(maps, plan.rank, plan.scan_method, reverse, seed, scratch=True)  # packed is ours alone
+    V = pair.S.shape[-1]
+    packed = all_gather_stack(_packed_row(pair), group, overlap=overlap)
+    maps = scan.AffineMap(packed[..., V:], packed[..., :V])
+    # scratch: for P > 1 the gathered buffer is new and ours alone; at P = 1 the fold writes nothing
+    return _fold(maps, plan.rank, plan.scan_method, reverse, seed, scratch=True)
+
+
+def _packed_row(pair: scan.AffineMap) -> torch.Tensor:
+    """The pair as this rank's row of the all-gather, [..., K, V + K]: S then M, the summary
+    kernel's own output layout, which is sent without a copy; other pairs are concatenated."""
+    S, M = pair.S, pair.M
+    V, K = S.shape[-1], M.shape[-1]
+    if (S.dtype == M.dtype and S.device == M.device and S.shape[:-1] == M.shape[:-1]
+            and S.untyped_storage().data_ptr() == M.untyped_storage().data_ptr()
+            and M.storage_offset() == S.storage_offset() + V and S.stride() == M.stride()):
+        row = S.as_strided((*S.shape[:-1], V + K), S.stride(), S.storage_offset())
+        if row.is_contiguous():
+            return row
+    return torch.cat([S, M], dim=-1)
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -89,3 +89,23 @@ def test_one_process_cp_bad_arguments_name_what_was_expected():
     for kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             cp_chunk_kda_in_one_process(q, k, v, g, beta, **kw)
+
+
+def test_packed_row_sends_the_summary_buffer_as_it_is():
+    """The all-gather row of a pair is [S | M] on the last dim. Where S and M are the two halves of
+    one buffer in that order (the summary kernel's output) the row is that buffer, no copy; any
+    other pair (M from elsewhere, the halves swapped, a strided buffer) is concatenated."""
+    from kda_cp.parallel.cp import _packed_row
+    from kda_cp.scan import AffineMap
+
+    K, V = 4, 3
+    buf = torch.randn(2, 5, K, V + K)
+    row = _packed_row(AffineMap(buf[..., V:], buf[..., :V]))
+    assert row.data_ptr() == buf.data_ptr() and torch.equal(row, buf)
+    swapped = torch.randn(2, 5, K, K + V)  # [M | S]: M first
+    wide = torch.randn(2, 5, K, V + K + 1)[..., :V + K]  # the right order, rows not contiguous
+    for S, M in ((buf[..., :V], torch.randn(2, 5, K, K)), (swapped[..., K:], swapped[..., :K]),
+                 (wide[..., :V], wide[..., V:])):
+        row = _packed_row(AffineMap(M, S))
+        assert row.is_contiguous() and torch.equal(row, torch.cat([S, M], dim=-1))
+        assert row.untyped_storage().data_ptr() != S.untyped_storage().data_ptr()
