@@ -270,7 +270,7 @@ def state_at(maps: AffineMap, r: int, x0: torch.Tensor | None = None, scratch: b
     ``x0`` (zero when None), one product per map and none of two M's (r - 1 batched GEMMs with
     x0 None). What one rank's forward needs after an all-gather: its incoming state [..., K, V],
     a new contiguous tensor. ``scratch``: ``maps`` is a buffer the caller discards (a gathered
-    one), so the chain may overwrite its S rows 0..r-2 instead of copying each step's addend.
+    one), so the chain may overwrite its S rows below r - 1 instead of copying each step's addend.
 
     Raises:
         ValueError: on malformed shapes or r outside the stack.
@@ -295,8 +295,8 @@ def transposed_state_at(maps: AffineMap, r: int, seed: torch.Tensor | None = Non
                         scratch: bool = False) -> torch.Tensor:
     """``apply(transposed_suffix_at(maps, r), seed)`` as a chain: d = seed (zero when None), then
     d = M_j^T d + G_j for j = P-1 down to r+1. What one rank's backward needs: the gradient of its
-    end state [..., K, V], a new contiguous tensor. ``scratch``: as in :func:`state_at` (rows
-    P-2..r+2 of S may be overwritten).
+    end state [..., K, V], a new contiguous tensor. ``scratch``: as in :func:`state_at` (the S
+    rows above r + 1 may be overwritten).
 
     Raises:
         ValueError: on malformed shapes or r outside the stack.

@@ -12,9 +12,10 @@ as cp_chunk_kda runs them on a rank that summarises its shard (kda_cp/parallel/c
 
 It models the all-gather exchange with the default chain of states (exchange="allgather",
 scan_method="sequential"): this rank packs its pair as cp_chunk_kda does (the summary's output is
-sent as it is; the backward's (M, G) pair is concatenated) and folds the gathered buffer with
-cp_chunk_kda's own fold, which reads the other ranks' rows only. Those are random maps of the right
-shapes (the scan's cost does not depend on their values). Communication is not timed here: its volume is tabulated (it does not
+sent as it is, and in the backward G takes the spent S~ half of that buffer) and folds the
+gathered buffer with cp_chunk_kda's own fold, which reads the other ranks' rows only (and writes
+over some of them, as there). Those are random maps of the right shapes (the scan's cost does not
+depend on their values). Communication is not timed here: its volume is tabulated (it does not
 depend on T) and measured in real multi-GPU runs elsewhere.
 
     python scripts/bench_cp.py --out bench_cp.json                       # GPU, TileLang backend
@@ -35,7 +36,7 @@ from _bench import kernel_launches, time_ms
 
 from kda_cp import scan
 from kda_cp.ops import KDAOptions, get_backend
-from kda_cp.parallel.cp import _fold, _packed_row
+from kda_cp.parallel.cp import _fold, _packed_row, _row_in_place
 
 
 def added_by_cp(plain, cp):
@@ -71,7 +72,7 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
     def exclusive(M, S, reverse):
         """As cp._exclusive: this rank's row as cp_chunk_kda packs it (the gather's writes are
         communication, untimed; the fold never reads this rank's own row), then the fold."""
-        _packed_row(scan.AffineMap(M, S.to(sdt)))
+        _packed_row(scan.AffineMap(M, S))
         maps = scan.AffineMap(gathered[..., V:], gathered[..., :V])
         return _fold(maps, rank, "sequential", reverse, scratch=True)
 
@@ -93,13 +94,15 @@ def bench_shard(T, H, K, V, P, device, dtype, backend_name, repeats, seed=0, pro
         M, St = backend.summary_prepared(prepared, opts, last_only=False)
         s_in = exclusive(M, St, reverse=False)
         backend.fwd(q, k, v, g, beta, s_in, opts, prepared=prepared)
-        return M, s_in, backend.keep_for_backward(prepared) if keep else ()
+        return scan.AffineMap(M, St), s_in, backend.keep_for_backward(prepared) if keep else ()
 
     def cp_fwd_bwd():
-        M, s_in, kept = cp_fwd(keep=True)
+        pair, s_in, kept = cp_fwd(keep=True)
         prepared = for_backward(kept) or backend.prepare(q, k, v, g, beta, opts)
         G = backend.state_grad(q, k, v, g, beta, do, opts, prepared=prepared).to(sdt)
-        d_end = exclusive(M, G, reverse=True)
+        if _row_in_place(pair) is not None:  # as CPChunkKDAFunction.backward
+            G = pair.S.copy_(G)
+        d_end = exclusive(pair.M, G, reverse=True)
         return backend.bwd(q, k, v, g, beta, s_in, do, d_end, opts, prepared=prepared)
 
     with torch.no_grad():

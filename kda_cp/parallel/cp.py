@@ -139,9 +139,9 @@ def _exclusive(pair: scan.AffineMap, plan: _Plan, group, reverse: bool, overlap=
     return _fold(maps, plan.rank, plan.scan_method, reverse, seed, scratch=True)
 
 
-def _packed_row(pair: scan.AffineMap) -> torch.Tensor:
-    """The pair as this rank's row of the all-gather, [..., K, V + K]: S then M, the summary
-    kernel's own output layout, which is sent without a copy; other pairs are concatenated."""
+def _row_in_place(pair: scan.AffineMap) -> torch.Tensor | None:
+    """The contiguous [..., K, V + K] buffer whose halves S and M are (the summary kernel's
+    output), or None."""
     S, M = pair.S, pair.M
     V, K = S.shape[-1], M.shape[-1]
     if (S.dtype == M.dtype and S.device == M.device and S.shape[:-1] == M.shape[:-1]
@@ -150,7 +150,14 @@ def _packed_row(pair: scan.AffineMap) -> torch.Tensor:
         row = S.as_strided((*S.shape[:-1], V + K), S.stride(), S.storage_offset())
         if row.is_contiguous():
             return row
-    return torch.cat([S, M], dim=-1)
+    return None
+
+
+def _packed_row(pair: scan.AffineMap) -> torch.Tensor:
+    """The pair as this rank's row of the all-gather, [..., K, V + K]: S then M, the summary
+    kernel's own output layout, which is sent without a copy; other pairs are concatenated."""
+    row = _row_in_place(pair)
+    return torch.cat([pair.S, pair.M], dim=-1) if row is None else row
 
 
 def _sum_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -369,7 +376,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         kept = backend.keep_for_backward(prepared)  # what the backward need not recompute
         del prepared
         ctx.save_for_backward(q, k, v, g, beta, h0_local, *kept)
-        ctx.pair_M, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair.M, group, backend, opts, plan
+        ctx.pair, ctx.group, ctx.backend, ctx.opts, ctx.plan = pair, group, backend, opts, plan
         ctx.n_all = h0_all.shape[0]
         if not opts.output_final_state:
             return o, None
@@ -395,7 +402,10 @@ class CPChunkKDAFunction(torch.autograd.Function):
             dfinal = None
         stages = _backward_stages(backend, opts, plan, q, k, v, g, beta, h0_local, do, dfinal, kept)
         G, seed = next(stages)
-        d_end = _exclusive(scan.AffineMap(ctx.pair_M, G), plan, group, reverse=True, seed=seed)
+        pair = ctx.pair
+        if _row_in_place(pair) is not None:  # the summary's buffer: G takes the spent S~ half, the row goes as it is
+            G = pair.S.copy_(G)
+        d_end = _exclusive(scan.AffineMap(pair.M, G), plan, group, reverse=True, seed=seed)
         grads, dh0 = _resume(stages, d_end)
         if dh0 is not None:
             # Gradient of the replicated initial states: rows filled where each sequence starts.

@@ -65,6 +65,36 @@ def test_cp_equals_single_device(world, T, lengths):
         assert_close(f"dh0[rank {rank}]", grads_ref[5], res[7], 1e-10)
 
 
+def _cp_rank_packed_summary(rank, world, inputs, lengths, scan_method):
+    """_cp_rank with the summary handed out as the TileLang kernels hand it: views of one
+    [..., K, V + K] buffer, S~ then M (sent without a copy; G takes the S~ half in the backward)."""
+    from kda_cp.ops import TorchBackend
+
+    plain = TorchBackend.summary_prepared
+
+    def packed(self, prepared, opts, last_only):
+        M, S = plain(self, prepared, opts, last_only)
+        buf = torch.cat([S, M], dim=-1)
+        return buf[..., S.shape[-1]:], buf[..., :S.shape[-1]]
+
+    TorchBackend.summary_prepared = packed
+    return _cp_rank(rank, world, inputs, lengths, scan_method)
+
+
+@pytest.mark.parametrize("scan_method", ["sequential", "log_depth"])
+def test_cp_with_the_summary_buffer_sent_as_it_is(scan_method):
+    inputs = _inputs(150, 4)
+    o_ref, final_ref, grads_ref = _reference(inputs)
+    lengths = [40, 30, 50, 30]
+    results = run_ranks(_cp_rank_packed_summary, 4, inputs, lengths, scan_method)
+    assert_close("o", o_ref, torch.cat([r[0] for r in results], dim=1), 1e-10)
+    for rank, ((a, b), res) in enumerate(zip(shard_bounds(150, 4, lengths), results)):
+        assert_close(f"final_state[rank {rank}]", final_ref, res[1], 1e-10)
+        for name, ref, got in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_ref[:5], res[2:7]):
+            assert_close(f"{name}[rank {rank}]", ref[:, a:b], got, 1e-10)
+        assert_close(f"dh0[rank {rank}]", grads_ref[5], res[7], 1e-10)
+
+
 def test_scan_methods_agree():
     inputs = _inputs(150, 3)
     seq = run_ranks(_cp_rank, 3, inputs, [40, 60, 50], "sequential")

@@ -138,8 +138,8 @@ def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
     every rank, on the non-contiguous slices of a packed all-gather buffer."""
     K, V = 5, 3
     m = rand_maps(P, K, V)
-    packed = torch.cat([m.M, m.S], dim=-1)
-    maps = scan.AffineMap(packed[..., :K], packed[..., K:])
+    packed = torch.cat([m.S, m.M], dim=-1)  # CP's all-gather row: [S | M]
+    maps = scan.AffineMap(packed[..., V:], packed[..., :V])
     seed = torch.randn(2, V, K, dtype=torch.float64).transpose(-1, -2)  # non-contiguous
     for r in range(P):
         pre, suf = scan.prefix_at(maps, r), scan.transposed_suffix_at(maps, r)
@@ -161,10 +161,10 @@ def test_one_ranks_state_chains_equal_its_folded_maps_applied(P):
             # returns a contiguous tensor of its own with the same values
             for fn, want, name in ((scan.state_at, got_f, "state_at"), (scan.transposed_state_at, got_b, "transposed")):
                 buf = packed.clone()
-                got = fn(scan.AffineMap(buf[..., :K], buf[..., K:]), r, x, scratch=True)
+                got = fn(scan.AffineMap(buf[..., V:], buf[..., :V]), r, x, scratch=True)
                 ends = (buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
                 assert got.is_contiguous() and not ends[0] <= got.data_ptr() < ends[1], name
-                assert torch.equal(buf[..., :K], packed[..., :K]), f"{name}[{r}] wrote over an M"
+                assert torch.equal(buf[..., V:], packed[..., V:]), f"{name}[{r}] wrote over an M"
                 if want.abs().max() == 0:
                     assert torch.equal(got, want), f"{name}[{r}] scratch"
                 else:
