@@ -18,8 +18,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 TOL = 1e-2  # relative RMS, bf16 activations
-# Parameters whose gradient comes through dg: the kernels' dg carries ~1.2e-2 of bf16 error at these
-# sizes (their own test allows 2e-2, tests/kernels/test_kernels_bwd_gpu.py), so these reach 1.1-1.5e-2.
+# Parameters whose gradient comes through the gate: against the fp64 layer on unrounded weights
+# they reach 1.1-1.5e-2, of which the bf16 rounding of the weights and x alone (everything else in
+# fp64, on CPU) accounts for 0.6-1.25e-2 at these sizes.
 GATE_PATH = ("grad A_log", "grad g_down.weight", "grad g_up.weight")
 GATE_TOL = 2e-2
 
@@ -74,7 +75,8 @@ def test_layer_matches_fp64(B, T, cu, og_rank, glue, monkeypatch):
 
 
 @CASES
-@pytest.mark.xfail(strict=True, reason="gate-path gradients reach 1.1-1.5e-2 through the kernels' bf16 dg")
+@pytest.mark.xfail(strict=True, reason="gate-path gradients reach 1.1-1.5e-2 against unrounded weights; "
+                   "rounding the weights and x to bf16 alone moves them by 0.6-1.25e-2")
 def test_gate_path_gradients_within_1e2(B, T, cu, og_rank):
     errs = _layer_errors(B, T, cu, og_rank)
     bad = {n: errs[n] for n in GATE_PATH if not errs[n] <= TOL}
