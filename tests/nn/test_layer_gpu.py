@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 TOL = 1e-2  # relative RMS, bf16 activations
 # Parameters whose gradient comes through the gate: against the fp64 layer on unrounded weights
 # they reach 1.1-1.5e-2, of which the bf16 rounding of the weights and x alone (everything else in
-# fp64, on CPU) accounts for 0.6-1.25e-2 at these sizes.
+# fp64, on CPU: scripts/layer_quantization.py) accounts for 0.6-1.25e-2 at these sizes.
 GATE_PATH = ("grad A_log", "grad g_down.weight", "grad g_up.weight")
 GATE_TOL = 2e-2
 
