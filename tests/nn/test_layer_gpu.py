@@ -18,16 +18,29 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 TOL = 1e-2  # relative RMS, bf16 activations
-# Parameters whose gradient comes through the gate: against the fp64 layer on unrounded weights
-# they reach 1.1-1.5e-2, of which the bf16 rounding of the weights and x alone (everything else in
-# fp64, on CPU: scripts/layer_quantization.py) accounts for 0.6-1.25e-2 at these sizes.
-GATE_PATH = ("grad A_log", "grad g_down.weight", "grad g_up.weight")
-GATE_TOL = 2e-2
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+# Parameters the layer reads in fp32 under autocast (the gate's A_log and dt_bias, the norm's
+# weight): left off the bf16 grid, so a path that cast them to bf16 would show.
+FP32_PARAMS = ("A_log", "g_up.bias", "o_norm.weight")
 
 
 def _layer_pair(seed, **cfg):
+    """(fp64 CPU layer, CUDA layer) with the same weights, those that autocast casts to bf16 (the
+    GEMMs' and the conv's) on the bf16 grid: the casts are then exact, and the comparison measures
+    the implementation, not the quantization of its inputs (rounding the weights and x to bf16
+    alone moves the gate-path gradients by 0.6-1.2e-2 relative RMS at these sizes, with
+    everything else in fp64)."""
     torch.manual_seed(seed)
     ref = perturbed(KDALayer(KDAConfig(backend="torch", **cfg)), seed)  # fp64, CPU
+    with torch.no_grad():
+        for name, prm in ref.named_parameters():
+            if name not in FP32_PARAMS:
+                prm.copy_(_bf16(prm))
     gpu = KDALayer(KDAConfig(backend="tilelang", **cfg)).cuda()
     gpu.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
     return ref, gpu
@@ -48,11 +61,12 @@ CASES = pytest.mark.parametrize("B,T,cu,og_rank", [
 
 
 def _layer_errors(B, T, cu, og_rank):
-    """{name: relative RMS error} of the CUDA layer's output and every gradient vs fp64."""
+    """{name: relative RMS error} of the CUDA layer's output and every gradient vs the fp64 layer,
+    both on the same weights, x and dy (x and dy bf16-representable)."""
     ref, gpu = _layer_pair(1, d_model=256, num_heads=2, head_dim=128, output_gate_rank=og_rank)
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(B, T, 256, generator=gen, dtype=torch.float64)
-    dy = torch.randn(B, T, 256, generator=gen, dtype=torch.float64)
+    x = _bf16(torch.randn(B, T, 256, generator=gen, dtype=torch.float64))
+    dy = _bf16(torch.randn(B, T, 256, generator=gen, dtype=torch.float64))
     cu_t = None if cu is None else torch.tensor(cu)
     y_ref, g_ref = _run(ref, x, dy, cu_t, autocast=False)
     y, g = _run(gpu, x.float().cuda(), dy.float().cuda(), None if cu is None else cu_t.cuda(), autocast=True)
@@ -65,22 +79,21 @@ def _layer_errors(B, T, cu, og_rank):
     return errs
 
 
+# A_log's gradient is one number per head (here 2), each a sum over T x K of the kernels' bf16 dg
+# times the gate's derivative, with cancellation. In the packed case it measures 1.01-1.02e-2 on an
+# H100, short of TOL; it is held to the kernels' dg tolerance instead. Every other entry is held to TOL.
+ABOVE_TOL = {(1000, "grad A_log"): 2e-2}
+
+
 @CASES
 @pytest.mark.parametrize("glue", ["all", "0"], ids=["glue-kernels", "compiled-glue"])
 def test_layer_matches_fp64(B, T, cu, og_rank, glue, monkeypatch):
+    """Output, input gradient and every parameter's gradient (the gate path's A_log, g_down, g_up
+    included) within 1e-2 relative RMS of the fp64 layer, except the entry of ABOVE_TOL."""
     monkeypatch.setenv("KDA_CP_GLUE_KERNELS", glue)
     errs = _layer_errors(B, T, cu, og_rank)
-    bad = {n: e for n, e in errs.items() if not e <= (GATE_TOL if n in GATE_PATH else TOL)}
-    assert not bad, f"relative RMS error above {TOL} ({GATE_TOL} on the gate path): {bad}"
-
-
-@CASES
-@pytest.mark.xfail(strict=True, reason="gate-path gradients reach 1.1-1.5e-2 against unrounded weights; "
-                   "rounding the weights and x to bf16 alone moves them by 0.6-1.25e-2")
-def test_gate_path_gradients_within_1e2(B, T, cu, og_rank):
-    errs = _layer_errors(B, T, cu, og_rank)
-    bad = {n: errs[n] for n in GATE_PATH if not errs[n] <= TOL}
-    assert not bad, f"gate-path gradients above {TOL}: {bad}"
+    bad = {n: e for n, e in errs.items() if not e <= ABOVE_TOL.get((T, n), TOL)}
+    assert not bad, f"relative RMS error above {TOL} ({ABOVE_TOL} for those listed): {bad}"
 
 
 def test_padding_after_last_packed_token_gets_zero_gradient():
