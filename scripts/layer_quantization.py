@@ -1,8 +1,9 @@
 """How far bf16 quantization of the inputs alone moves the KDA layer's output and gradients.
 
-The fp64 layer (torch backend, CPU) with its weights, x and dy rounded to bf16, against the same
-layer unrounded: the part of a bf16 layer's error against the fp64 layer that no implementation can
-remove. The cases and the weight perturbation are those of tests/nn/test_layer_gpu.py.
+The fp64 layer (torch backend, CPU) with every parameter, x and dy rounded to bf16, against the
+same layer unrounded: what rounding a bf16 layer's inputs costs before any kernel runs (kda_cp's
+layer under autocast keeps A_log, dt_bias and the conv and norm weights in fp32, so it avoids part
+of it). The cases and the weight perturbation are those of tests/nn/test_layer_gpu.py.
 
     python scripts/layer_quantization.py
 

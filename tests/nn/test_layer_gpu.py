@@ -24,17 +24,17 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-# Parameters the layer reads in fp32 under autocast (the gate's A_log and dt_bias, the norm's
-# weight): left off the bf16 grid, so a path that cast them to bf16 would show.
-FP32_PARAMS = ("A_log", "g_up.bias", "o_norm.weight")
+# Parameters the layer reads in fp32 under autocast (the gate's A_log and dt_bias, the conv's and
+# the norm's weights): left off the bf16 grid, so a path that cast them to bf16 would show.
+FP32_PARAMS = ("A_log", "g_up.bias", "qkv_conv.weight", "o_norm.weight")
 
 
 def _layer_pair(seed, **cfg):
     """(fp64 CPU layer, CUDA layer) with the same weights, those that autocast casts to bf16 (the
-    GEMMs' and the conv's) on the bf16 grid: the casts are then exact, and the comparison measures
-    the implementation, not the quantization of its inputs (rounding the weights and x to bf16
-    alone moves the gate-path gradients by 0.6-1.2e-2 relative RMS at these sizes, with
-    everything else in fp64)."""
+    GEMMs') on the bf16 grid: the casts are then exact, and the comparison measures the
+    implementation, not the quantization of its inputs (rounding the weights and x to bf16 alone
+    moves the gate-path gradients by 0.6-1.25e-2 relative RMS at these sizes, with everything
+    else in fp64: scripts/layer_quantization.py)."""
     torch.manual_seed(seed)
     ref = perturbed(KDALayer(KDAConfig(backend="torch", **cfg)), seed)  # fp64, CPU
     with torch.no_grad():
@@ -54,9 +54,12 @@ def _run(layer, x, dy, cu, autocast):
     return y, grads
 
 
-CASES = pytest.mark.parametrize("B,T,cu,og_rank", [
-    (2, 333, None, None),
-    (1, 1000, [0, 300, 301, 777, 1000], 128),
+CASES = pytest.mark.parametrize("B,T,cu,og_rank,above_tol", [
+    (2, 333, None, None, {}),
+    # A_log's gradient is one number per head (here 2), each a sum over T x K of the fp32 dg the
+    # kernels build from bf16 operands, times the gate's derivative, with cancellation. Here it
+    # measures 1.01-1.02e-2 on an H100, just above TOL, and is held to 1.5e-2.
+    (1, 1000, [0, 300, 301, 777, 1000], 128, {"grad A_log": 1.5e-2}),
 ], ids=["dense-T333", "packed-T1000"])
 
 
@@ -72,28 +75,23 @@ def _layer_errors(B, T, cu, og_rank):
     y, g = _run(gpu, x.float().cuda(), dy.float().cuda(), None if cu is None else cu_t.cuda(), autocast=True)
     names = ["y", "grad x"] + [f"grad {n}" for n, _ in ref.named_parameters()]
     errs = {}
-    for name, a, b in zip(names, [y_ref, *g_ref], [y, *g]):
+    for name, a, b in zip(names, [y_ref, *g_ref], [y, *g], strict=True):
         assert torch.isfinite(b).all() and a.abs().max() > 0, name
         errs[name] = rel_rms(a, b.cpu())
     print(" ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     return errs
 
 
-# A_log's gradient is one number per head (here 2), each a sum over T x K of the kernels' bf16 dg
-# times the gate's derivative, with cancellation. In the packed case it measures 1.01-1.02e-2 on an
-# H100, short of TOL; it is held to the kernels' dg tolerance instead. Every other entry is held to TOL.
-ABOVE_TOL = {(1000, "grad A_log"): 2e-2}
-
-
 @CASES
 @pytest.mark.parametrize("glue", ["all", "0"], ids=["glue-kernels", "compiled-glue"])
-def test_layer_matches_fp64(B, T, cu, og_rank, glue, monkeypatch):
+def test_layer_matches_fp64(B, T, cu, og_rank, above_tol, glue, monkeypatch):
     """Output, input gradient and every parameter's gradient (the gate path's A_log, g_down, g_up
-    included) within 1e-2 relative RMS of the fp64 layer, except the entry of ABOVE_TOL."""
+    included) within 1e-2 relative RMS of the fp64 layer, but the case's above_tol entries."""
     monkeypatch.setenv("KDA_CP_GLUE_KERNELS", glue)
     errs = _layer_errors(B, T, cu, og_rank)
-    bad = {n: e for n, e in errs.items() if not e <= ABOVE_TOL.get((T, n), TOL)}
-    assert not bad, f"relative RMS error above {TOL} ({ABOVE_TOL} for those listed): {bad}"
+    assert set(above_tol) <= set(errs), f"unknown entries in above_tol: {set(above_tol) - set(errs)}"
+    bad = {n: e for n, e in errs.items() if not e <= above_tol.get(n, TOL)}
+    assert not bad, f"relative RMS error above {TOL} ({above_tol} for those named): {bad}"
 
 
 def test_padding_after_last_packed_token_gets_zero_gradient():
