@@ -9,8 +9,9 @@ the forward under no_grad and the forward+backward are each traced three times w
 torch.profiler after two untimed calls. Per trace: first_kernel_us (from the call to the first
 kernel), kernel_busy_us (summed kernel time), kernel_span_us (first kernel start to last kernel
 end), gaps_total_us (idle gaps over 2 us between kernels) and the 12 largest gaps. Prints the last
-trace of each and writes all of them to --out as JSON. The profiler's own overhead lengthens host
-time, so the gaps are upper bounds of those of an untraced call.
+trace of each and writes all of them to --out as JSON, with the device, torch and the peer's
+kernels under "meta". The profiler's own overhead lengthens host time, so the gaps are upper
+bounds of those of an untraced call.
 """
 
 import argparse
@@ -21,8 +22,10 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_layer import LAYER_SHAPES, layer_config
 from kda_cp.layers import KDALayer
+
+from _bench import peer_backends
+from bench_layer import LAYER_SHAPES, layer_config
 
 
 def trace(fn):
@@ -45,25 +48,30 @@ def trace(fn):
 
 def summarize(ev):
     """The trace's numbers from its chrome-trace events (one "STEP" range around the call)."""
-    step = next(e for e in ev if e.get("name") == "STEP" and e.get("ph") == "X")
+    step = next(e for e in ev if e.get("name") == "STEP" and e.get("ph") == "X" and e.get("cat") == "user_annotation")
     kern = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and e.get("ph") == "X"),
                   key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime" and "args" in e}
+    # TileLang and cuBLAS launch through the runtime API, Triton (torch.compile, the peer) the driver API
+    launches = {e["args"].get("correlation"): e for e in ev
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
     ops = [e for e in ev if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
 
-    def op_at(ts):  # the innermost three CPU ops open at time ts
-        inside = sorted((o for o in ops if o["ts"] <= ts <= o["ts"] + o["dur"]), key=lambda o: o["ts"])
+    def op_at(launch):  # the innermost three CPU ops open on the launching thread at the launch
+        ts, tid = launch["ts"], launch.get("tid")
+        inside = sorted((o for o in ops if o.get("tid") == tid and o["ts"] <= ts <= o["ts"] + o["dur"]),
+                        key=lambda o: o["ts"])
         return " > ".join(o["name"] for o in inside[-3:])
 
-    gaps = []
-    for a, b in zip(kern, kern[1:]):
-        gap = b["ts"] - (a["ts"] + a["dur"])
+    gaps, end = [], kern[0]["ts"]
+    for b in kern:  # idle time before each kernel, after every earlier one ended (any stream)
+        gap = b["ts"] - end
         if gap > 2:
             launch = launches.get(b["args"].get("correlation"))
-            gaps.append((gap, b["name"][:60], op_at(launch["ts"]) if launch else "?"))
+            gaps.append((gap, b["name"][:60], op_at(launch) if launch else "?"))
+        end = max(end, b["ts"] + b["dur"])
     return dict(first_kernel_us=kern[0]["ts"] - step["ts"], kernel_busy_us=sum(k["dur"] for k in kern),
-                kernel_span_us=kern[-1]["ts"] + kern[-1]["dur"] - kern[0]["ts"],
-                gaps_total_us=sum(g[0] for g in gaps), n_kernels=len(kern), top_gaps=sorted(gaps, reverse=True)[:12])
+                kernel_span_us=end - kern[0]["ts"], gaps_total_us=sum(g[0] for g in gaps), n_kernels=len(kern),
+                top_gaps=sorted(gaps, reverse=True)[:12])
 
 
 def analyse(fn, label, out):
@@ -86,7 +94,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("layer_gaps.py traces CUDA kernels: it needs a CUDA GPU")
-    out = {}
+    out = {"meta": dict(device=torch.cuda.get_device_name(), torch=torch.__version__, fla_kernels=peer_backends())}
     for name in args.shapes:
         s = LAYER_SHAPES[name]
         B, T, D, H = s["B"], s["T"], s["D"], s["H"]
