@@ -1,6 +1,9 @@
 """Shared by the benchmark scripts: the benchmark shapes, their inputs and one median timer."""
 
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -73,6 +76,63 @@ def kernel_launches(fn, calls=3):
             ms, n = out.get(ev.key, (0.0, 0))
             out[ev.key] = [ms + t / 1e3 / calls, n + ev.count / calls]
     return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def idle_gaps(fn, calls=3):
+    """:func:`trace_gaps` of ``calls`` calls of fn, each traced alone with torch.profiler (after
+    two warm-up calls). The profiler lengthens host time: the gaps bound an untraced call's."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(calls):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            with record_function("STEP"):
+                fn()
+            torch.cuda.synchronize()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                out.append(trace_gaps(json.load(f)["traceEvents"]))
+        finally:
+            os.remove(path)
+    return out
+
+
+def trace_gaps(ev):
+    """One call's idle time from its chrome-trace events (a "STEP" range around the call):
+    first_kernel_us (call to first kernel), kernel_busy_us (summed kernel time), kernel_span_us
+    (first kernel start to last kernel end), gaps_total_us (idle gaps over 2 us) and the 12
+    largest gaps as (us, the kernel after it, the CPU ops that launched that kernel)."""
+    step = next(e for e in ev if e.get("name") == "STEP" and e.get("ph") == "X" and e.get("cat") == "user_annotation")
+    kern = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and e.get("ph") == "X"),
+                  key=lambda e: e["ts"])
+    # TileLang and cuBLAS launch through the runtime API, Triton (torch.compile, the peer) the driver API
+    launches = {e["args"].get("correlation"): e for e in ev
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    ops = [e for e in ev if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
+
+    def op_at(launch):  # the innermost three CPU ops open on the launching thread at the launch
+        ts, tid = launch["ts"], launch.get("tid")
+        inside = sorted((o for o in ops if o.get("tid") == tid and o["ts"] <= ts <= o["ts"] + o["dur"]),
+                        key=lambda o: o["ts"])
+        return " > ".join(o["name"] for o in inside[-3:])
+
+    gaps, end = [], kern[0]["ts"]
+    for b in kern:  # idle time before each kernel, after every earlier one ended (any stream)
+        gap = b["ts"] - end
+        if gap > 2:
+            launch = launches.get(b["args"].get("correlation"))
+            gaps.append((gap, b["name"][:60], op_at(launch) if launch else "?"))
+        end = max(end, b["ts"] + b["dur"])
+    return dict(first_kernel_us=kern[0]["ts"] - step["ts"], kernel_busy_us=sum(k["dur"] for k in kern),
+                kernel_span_us=end - kern[0]["ts"], gaps_total_us=sum(g[0] for g in gaps), n_kernels=len(kern),
+                top_gaps=sorted(gaps, reverse=True)[:12])
 
 
 def peer_backends():

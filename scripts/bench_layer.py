@@ -2,7 +2,7 @@
 
 Usage (on a Hopper GPU):
     python scripts/bench_layer.py --out bench_layer.json [--shapes L1 L2 L3] [--repeats 10]
-        [--profile] [--no-fla] [--compiled-glue] [--gate-in-kernel]
+        [--profile] [--gaps] [--no-fla] [--compiled-glue] [--gate-in-kernel]
 
 Shapes (head_dim 128, bf16 weights and input): L1 = (B=1, T=32768, D=2048, H=16),
 L2 = (B=1, T=65536, D=1024, H=8), L3 = (B=2, T=16384, D=2304, H=32); "tiny" runs anywhere.
@@ -25,7 +25,11 @@ glue through torch.compile instead of the TileLang glue kernels: conv + SiLU + L
 RMSNorm, the gate's backward), row "kda_cp compiled glue". With --gate-in-kernel, it is timed again with KDA_CP_GATE_IN_KERNEL=1 (the gate and
 beta's sigmoid inside the chunk-local kernel), row "kda_cp gate in kernel". With --profile, CUDA
 time per kernel (torch.profiler, mean of 3 calls) of each layer's forward and forward+backward,
-printed and stored under "profile_fwd" and "profile". Prints a markdown table, writes JSON to --out.
+printed and stored under "profile_fwd" and "profile". With --gaps (CUDA), where the GPU idles in
+each layer's forward and forward+backward (scripts/_bench.py idle_gaps: three calls, each traced
+alone; the host time to the first kernel, busy time against span, the largest idle gaps with the
+CPU ops that launched the kernel after them), printed and stored under "gaps_fwd" and "gaps".
+Prints a markdown table, writes JSON to --out.
 """
 
 import argparse
@@ -36,7 +40,7 @@ import time
 
 import torch
 
-from _bench import peer_backends, time_ms
+from _bench import idle_gaps, peer_backends, time_ms
 from bench_backward import kernel_table, peak_above_base, print_table, rel
 
 from kda_cp.interop import import_kda_state_dict
@@ -60,7 +64,7 @@ def layer_config(D, H, backend):
                      chunk_size=64, backend=backend)
 
 
-def measure(layer, x, dy, repeats, profile):
+def measure(layer, x, dy, repeats, profile, gaps=False):
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def fwd():
@@ -84,14 +88,17 @@ def measure(layer, x, dy, repeats, profile):
         if profile:
             row["profile_fwd"] = kernel_table(fwd)
             row["profile"] = kernel_table(fwd_bwd)
+        if gaps:
+            row["gaps_fwd"] = idle_gaps(fwd)
+            row["gaps"] = idle_gaps(fwd_bwd)
     return row
 
 
-def measure_with_env(layer, x, dy, repeats, profile, var, value):
+def measure_with_env(layer, x, dy, repeats, profile, gaps, var, value):
     saved = os.environ.get(var)
     os.environ[var] = value
     try:
-        return measure(layer, x, dy, repeats, profile)
+        return measure(layer, x, dy, repeats, profile, gaps)
     finally:
         if saved is None:
             del os.environ[var]
@@ -99,7 +106,7 @@ def measure_with_env(layer, x, dy, repeats, profile, var, value):
             os.environ[var] = saved
 
 
-def bench_shape(name, repeats, profile, with_fla, variants=()):
+def bench_shape(name, repeats, profile, with_fla, variants=(), gaps=False):
     s = LAYER_SHAPES[name]
     B, T, D, H = s["B"], s["T"], s["D"], s["H"]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,12 +128,12 @@ def bench_shape(name, repeats, profile, with_fla, variants=()):
                 prm.mul_(1 + 0.1 * torch.randn_like(prm))
         # the peer's weights through the converter users call (kda_cp.interop)
         ours.load_state_dict(import_kda_state_dict(peer.inner.state_dict(), ours.config, "fla"))
-    out["kda_cp"] = measure(ours, x, dy, repeats, profile)
+    out["kda_cp"] = measure(ours, x, dy, repeats, profile, gaps)
     for v in variants:
         row, var, value = VARIANTS[v]
-        out[row] = measure_with_env(ours, x, dy, repeats, profile, var, value)
+        out[row] = measure_with_env(ours, x, dy, repeats, profile, gaps, var, value)
     if peer is not None:
-        out["fla"] = measure(peer, x, dy, repeats, profile)
+        out["fla"] = measure(peer, x, dy, repeats, profile, gaps)
         y_a, dx_a = ours(x), None
         (dx_a,) = torch.autograd.grad(y_a, x, dy)
         y_b = peer(x)
@@ -139,6 +146,13 @@ def bench_shape(name, repeats, profile, with_fla, variants=()):
     if dev == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def print_gaps(title, r):
+    print(f"\n{title}: first kernel {r['first_kernel_us']:.0f} us after the call, busy {r['kernel_busy_us']:.0f} us "
+          f"of a {r['kernel_span_us']:.0f} us span, idle gaps {r['gaps_total_us']:.0f} us, {r['n_kernels']} kernels")
+    for gap, kernel, ops in r["top_gaps"]:
+        print(f"  {gap:8.1f} us before {kernel}  [{ops}]")
 
 
 def print_rows(rows):
@@ -165,6 +179,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["L1", "L2", "L3"], choices=list(LAYER_SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gaps", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--compiled-glue", action="store_true")
     ap.add_argument("--gate-in-kernel", action="store_true")
@@ -191,7 +206,11 @@ def main():
     rows = []
     for name in args.shapes:
         variants = [v for v in VARIANTS if getattr(args, v)]
-        rows.append(bench_shape(name, args.repeats, args.profile, with_fla, variants))
+        rows.append(bench_shape(name, args.repeats, args.profile, with_fla, variants, args.gaps))
+        for impl in IMPLS if args.gaps else ():
+            for key, what in (("gaps_fwd", "forward"), ("gaps", "forward+backward")):
+                if key in rows[-1].get(impl, {}):
+                    print_gaps(f"{name} {impl} {what}", rows[-1][impl][key][-1])
         if args.profile:
             for impl in IMPLS:
                 for key, what in (("profile_fwd", "forward"), ("profile", "forward+backward")):
