@@ -107,8 +107,10 @@ def idle_gaps(fn, calls=3):
 def trace_gaps(ev):
     """One call's idle time from its chrome-trace events (a "STEP" range around the call):
     first_kernel_us (call to first kernel), kernel_busy_us (summed kernel time), kernel_span_us
-    (first kernel start to last kernel end), gaps_total_us (idle gaps over 2 us) and the 12
-    largest gaps as (us, the kernel after it, the CPU ops that launched that kernel)."""
+    (first kernel start to last kernel end), gaps_total_us (idle gaps over 2 us), the 12
+    largest gaps as (us, the kernel after it, the CPU ops that launched that kernel), and
+    host_calls: the 8 longest CUDA runtime/driver calls in the call as (us, API, CPU ops), which
+    name what holds the host (an allocation, a sync) where a gap follows no slow op."""
     step = next(e for e in ev if e.get("name") == "STEP" and e.get("ph") == "X" and e.get("cat") == "user_annotation")
     kern = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and e.get("ph") == "X"),
                   key=lambda e: e["ts"])
@@ -123,6 +125,9 @@ def trace_gaps(ev):
                         key=lambda o: o["ts"])
         return " > ".join(o["name"] for o in inside[-3:])
 
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    calls = sorted(((e["dur"], e["name"], op_at(e)) for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                    and e.get("ph") == "X" and t0 <= e["ts"] <= t1), reverse=True)[:8]
     gaps, end = [], kern[0]["ts"]
     for b in kern:  # idle time before each kernel, after every earlier one ended (any stream)
         gap = b["ts"] - end
@@ -132,7 +137,7 @@ def trace_gaps(ev):
         end = max(end, b["ts"] + b["dur"])
     return dict(first_kernel_us=kern[0]["ts"] - step["ts"], kernel_busy_us=sum(k["dur"] for k in kern),
                 kernel_span_us=end - kern[0]["ts"], gaps_total_us=sum(g[0] for g in gaps), n_kernels=len(kern),
-                top_gaps=sorted(gaps, reverse=True)[:12])
+                top_gaps=sorted(gaps, reverse=True)[:12], host_calls=calls)
 
 
 def peer_backends():

@@ -28,7 +28,7 @@ time per kernel (torch.profiler, mean of 3 calls) of each layer's forward and fo
 printed and stored under "profile_fwd" and "profile". With --gaps (CUDA), where the GPU idles in
 each layer's forward and forward+backward (scripts/_bench.py idle_gaps: three calls, each traced
 alone; the host time to the first kernel, busy time against span, the largest idle gaps with the
-CPU ops that launched the kernel after them), printed and stored under "gaps_fwd" and "gaps".
+CPU ops that launched the kernel after them, the longest CUDA API calls), printed and stored under "gaps_fwd" and "gaps".
 Prints a markdown table, writes JSON to --out.
 """
 
@@ -153,6 +153,8 @@ def print_gaps(title, r):
           f"of a {r['kernel_span_us']:.0f} us span, idle gaps {r['gaps_total_us']:.0f} us, {r['n_kernels']} kernels")
     for gap, kernel, ops in r["top_gaps"]:
         print(f"  {gap:8.1f} us before {kernel}  [{ops}]")
+    for us, api, ops in r.get("host_calls", []):
+        print(f"  host {us:8.1f} us in {api}  [{ops}]")
 
 
 def print_rows(rows):

@@ -38,11 +38,12 @@ def _inputs(B, T, H, K, n_states, seed, gates="mixed"):
 
 
 def _fp64_reference(q, k, v, g, beta, h0, do, dfinal, cu):
-    leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    # the per-token recurrence in fp64 on the GPU (its thousands of small steps take minutes on the CPU)
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
     o, f = naive_recurrent_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                               cu_seqlens=None if cu is None else torch.tensor(cu))
-    ((o * do.double().cpu()).sum() + (f * dfinal.double().cpu()).sum()).backward()
-    return o, f, [x.grad for x in leaves]
+                               cu_seqlens=None if cu is None else torch.tensor(cu, device=q.device))
+    ((o * do.double()).sum() + (f * dfinal.double()).sum()).backward()
+    return o.detach().cpu(), f.detach().cpu(), [x.grad.cpu() for x in leaves]
 
 
 def _unsharded_tilelang(q, k, v, g, beta, h0, do, dfinal, cu):
