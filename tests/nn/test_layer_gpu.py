@@ -4,9 +4,7 @@ backend, and chunk_kda's input options through the kernels."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -31,21 +29,6 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 # Parameters the layer reads in fp32 under autocast (the gate's A_log and dt_bias, the conv's and
 # the norm's weights): left off the bf16 grid, so a path that cast them to bf16 would show.
 FP32_PARAMS = ("A_log", "g_up.bias", "qkv_conv.weight", "o_norm.weight")
-
-
-@contextlib.contextmanager
-def env(**values):
-    """The environment variables set to ``values`` within the block, restored after it."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def _layer_pair(seed, **cfg):
@@ -77,14 +60,14 @@ def _run(layer, x, dy, cu, autocast):
 # others still checked) and fails once they are within TOL, so the entry is then removed.
 KNOWN_GAP = {"grad A_log": "A_log's gradient is one number per head (here 2), a sum over T x K of the kernels' "
                            "dg (held to 2e-2 at the op level) with cancellation: 1.47-1.52e-2 from fp64 on an "
-                           "H100, where the fp32 reference with the same bf16 activations is within 2e-3"}
+                           "H100, where on CPU the fp32 reference with the same bf16 activations is within 1.6e-3"}
 CASES = pytest.mark.parametrize("B,T,cu,og_rank,gaps", [
     (2, 333, None, None, ()),
     (1, 1000, [0, 300, 301, 777, 1000], 128, ("grad A_log",)),
 ], ids=["dense-T333", "packed-T1000"])
 
 
-def _outputs(B, T, cu, og_rank, glue):
+def _outputs(B, T, cu, og_rank, glue, monkeypatch):
     """(name, fp64 CPU layer, CUDA layer on the TileLang kernels, fp32 reference) for the output
     and every gradient. The fp32 reference is the same CUDA layer and autocast on the torch backend
     with eager glue: its activations are rounded to bf16 at the same points (GEMM and conv
@@ -99,9 +82,12 @@ def _outputs(B, T, cu, og_rank, glue):
     cu_t = None if cu is None else torch.tensor(cu)
     xc, dyc, cuc = x.float().cuda(), dy.float().cuda(), None if cu is None else cu_t.cuda()
     y_ref, g_ref = _run(ref, x, dy, cu_t, autocast=False)
-    with env(KDA_CP_GLUE_KERNELS=glue):
+    with monkeypatch.context() as m:
+        m.setenv("KDA_CP_GLUE_KERNELS", glue)
         y, g = _run(gpu, xc, dyc, cuc, autocast=True)
-    with env(KDA_CP_GLUE_KERNELS="0", KDA_CP_EAGER_GLUE="1"):
+    with monkeypatch.context() as m:
+        m.setenv("KDA_CP_GLUE_KERNELS", "0")
+        m.setenv("KDA_CP_EAGER_GLUE", "1")
         y32, g32 = _run(fp32, xc, dyc, cuc, autocast=True)
     names = ["y", "grad x"] + [f"grad {n}" for n, _ in ref.named_parameters()]
     for name, a, b, c in zip(names, [y_ref, *g_ref], [y, *g], [y32, *g32], strict=True):
@@ -111,12 +97,12 @@ def _outputs(B, T, cu, og_rank, glue):
 
 @CASES
 @pytest.mark.parametrize("glue", ["all", "0"], ids=["glue-kernels", "compiled-glue"])
-def test_layer_matches_fp64_and_fp32_reference(B, T, cu, og_rank, gaps, glue):
+def test_layer_matches_fp64_and_fp32_reference(B, T, cu, og_rank, gaps, glue, monkeypatch):
     """Output, input gradient and every parameter's gradient (the gate path's A_log, g_down, g_up
     included) within 1e-2 relative RMS of the fp64 layer and of the fp32 reference, but the
     case's KNOWN_GAP entries (an xfail while they exceed it, a failure once they do not)."""
     lines, bad = [], {}
-    for name, a, b, c in _outputs(B, T, cu, og_rank, glue):
+    for name, a, b, c in _outputs(B, T, cu, og_rank, glue, monkeypatch):
         e64, e32 = rel_rms(a, b), rel_rms(c, b)
         lines.append(f"{name}: vs fp64 {e64:.2e}, vs fp32 reference {e32:.2e}, reference vs fp64 {rel_rms(a, c):.2e}")
         if not max(e64, e32) <= TOL:
