@@ -388,7 +388,7 @@ class _LinearSplit(torch.autograd.Function):
     def forward(ctx, x, w, widths):
         ctx.save_for_backward(x, w)
         ctx.widths = widths
-        return F.linear(x, w).split(widths, dim=-1)
+        return _linear_2d(x, w).split(widths, dim=-1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -428,8 +428,22 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.T
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, weight = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, weight))
-    with torch.autocast(dev, enabled=False):
+        with torch.autocast(dev, enabled=False):
+            return _split_linear(x, weight, widths)
+    return _split_linear(x, weight, widths)
+
+
+def _linear_2d(x, w):
+    """F.linear(x, w) as one 2-D GEMM over x's rows, viewed back to [..., N]."""
+    return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
+
+def _split_linear(x, weight, widths):
+    # the autograd Function only where a gradient is asked for: its per-call host cost is on the
+    # path before the layer's first GEMM
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _LinearSplit.apply(x, weight, widths)
+    return _linear_2d(x, weight).split(widths, dim=-1)
 
 
 def lags_in_sequence(cu_seqlens, start: int, T: int, max_lag: int, device) -> torch.Tensor:

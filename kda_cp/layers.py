@@ -349,7 +349,7 @@ class KDALayer(nn.Module):
                 lags = glue.lags_in_sequence(cu_seqlens, start, T, c.conv_size - 1, x.device)
         q, k, v = glue.conv_silu_norm(qkv, weight, (H * K, H * K, HV * V), K, c.norm_eps, halo=halo, lags=lags)
         v = v.view(B, T, HV, V)  # glue splits v into H heads; value heads are its contiguous slices
-        z = F.linear(zd, self.g_up.weight).view(B, T, HV, K)
+        z = F.linear(zd.reshape(B * T, zd.shape[-1]), self.g_up.weight).view(B, T, HV, K)
         # No value checks (check_gate=False): g = g_min * sigmoid(.) lies in [g_min, 0] (or is the
         # softplus gate's -exp(.) * softplus(.) <= 0, which declares no bound) and beta in
         # [0, 1] (or [0, 2]) by construction, and a NaN from upstream reaches the loss, which training

@@ -99,6 +99,26 @@ def test_linear_split_equals_linear_then_split(used):
         glue.linear_split(x, w, (40, 8, 3))
 
 
+def test_linear_split_without_grad_and_on_strided_x():
+    """Without a gradient asked for (no_grad, or no input requiring one) linear_split skips its
+    autograd Function; the outputs still equal F.linear(...).split(...) in fp64, also for an x whose
+    rows are not contiguous, and carry no graph."""
+    gen = torch.Generator().manual_seed(7)
+    widths = (40, 8, 3, 16)
+    w = torch.randn(sum(widths), 24, dtype=torch.float64, generator=gen)
+    x = torch.randn(37, 2, 24, dtype=torch.float64, generator=gen).transpose(0, 1)  # [2, 37, 24], strided
+    assert not x.is_contiguous()
+    ref = F.linear(x, w).split(widths, dim=-1)
+    with torch.no_grad():
+        xg = x.clone().requires_grad_(True)
+        outs_nograd = glue.linear_split(xg, w, widths)
+    for outs in (glue.linear_split(x, w, widths), outs_nograd):
+        assert [tuple(o.shape) for o in outs] == [(2, 37, n) for n in widths]
+        for a, b in zip(outs, ref):
+            assert a.grad_fn is None
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("g_min,bias,beta_scale", [(-5.0, True, 1.0), (-2.5, False, 2.0), (None, True, 1.0),
                                                     (None, False, None)], ids=["bounded", "bounded-nobias-neg",
                                                                                "softplus", "softplus-nobeta"])
