@@ -22,6 +22,7 @@ in fp32 (fp64 for fp64 inputs) and casts once on output.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 
@@ -414,8 +415,8 @@ class _LinearSplit(torch.autograd.Function):
 
 
 def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.Tensor, ...]:
-    """``F.linear(x, weight).split(widths, -1)`` with a backward that never concatenates the
-    blocks' gradients into one of y's size (:class:`_LinearSplit`).
+    """``F.linear(x, weight).split(widths, -1)``, as one 2-D GEMM over x's rows, with a backward
+    that never concatenates the blocks' gradients into one of y's size (:class:`_LinearSplit`).
 
     x [..., D], weight [sum(widths), D] (under autocast, cast to its dtype as F.linear casts:
     floating tensors other than fp64). Returns one tensor [..., n] per width n. Raises ValueError
@@ -434,8 +435,9 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, widths) -> tuple[torch.T
 
 
 def _linear_2d(x, w):
-    """F.linear(x, w) as one 2-D GEMM over x's rows, viewed back to [..., N]."""
-    return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    """F.linear(x, w) as one 2-D GEMM over x's rows, viewed back to [..., N] (F.linear may take a
+    batched GEMM for a strided x: the results then differ by GEMM rounding)."""
+    return F.linear(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
 def _split_linear(x, weight, widths):

@@ -99,10 +99,14 @@ def test_linear_split_equals_linear_then_split(used):
         glue.linear_split(x, w, (40, 8, 3))
 
 
-def test_linear_split_without_grad_and_on_strided_x():
+def test_linear_split_without_grad_and_on_strided_x(monkeypatch):
     """Without a gradient asked for (no_grad, or no input requiring one) linear_split skips its
     autograd Function; the outputs still equal F.linear(...).split(...) in fp64, also for an x whose
-    rows are not contiguous, and carry no graph."""
+    rows are not contiguous, and carry no graph. A feature width of 0 passes as in F.linear."""
+    def no_function(*args):
+        raise AssertionError("the autograd Function ran with no gradient asked for")
+
+    monkeypatch.setattr(glue._LinearSplit, "apply", no_function)
     gen = torch.Generator().manual_seed(7)
     widths = (40, 8, 3, 16)
     w = torch.randn(sum(widths), 24, dtype=torch.float64, generator=gen)
@@ -117,6 +121,8 @@ def test_linear_split_without_grad_and_on_strided_x():
         for a, b in zip(outs, ref):
             assert a.grad_fn is None
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    empty = glue.linear_split(torch.randn(2, 3, 0, dtype=torch.float64), torch.randn(8, 0, dtype=torch.float64), (5, 3))
+    assert [tuple(o.shape) for o in empty] == [(2, 3, 5), (2, 3, 3)] and all((o == 0).all() for o in empty)
 
 
 @pytest.mark.parametrize("g_min,bias,beta_scale", [(-5.0, True, 1.0), (-2.5, False, 2.0), (None, True, 1.0),
