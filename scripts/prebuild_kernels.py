@@ -13,6 +13,10 @@ of kda_cp.kernels.chunk_kda_fwd.
         # + the conv, gated RMSNorm and gate-backward kernels of bench_layer.py's shapes L1-L3, and the conv
         # kernels of tune_conv.py's launches
 
+The layer GPU tests (tests/nn/test_layer_gpu.py) build their own conv and glue kernels, 13 s each on
+the GPU host; `--layer 256 2 --conv-packed --only-layers`, once as is and once with
+`--output-gate-rank 128`, puts them in the cache too.
+
 --jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
 
