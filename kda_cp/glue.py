@@ -173,7 +173,7 @@ class _ConvSiluNorm(torch.autograd.Function):
         ctx.args = (splits, head_dim, eps, compiled, kernel)
         if compiled and _use_kernel(x, weight, splits, head_dim, "fwd"):
             from kda_cp.kernels.conv import conv_silu_norm_fwd
-            return conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps)
+            return conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, splits=splits)
         return _run(_csn_fwd, compiled, x, weight, halo, lags, splits, head_dim, eps)
 
     @staticmethod
@@ -183,7 +183,7 @@ class _ConvSiluNorm(torch.autograd.Function):
         splits, head_dim, eps, compiled, kernel = ctx.args
         if kernel:
             from kda_cp.kernels.conv import conv_silu_norm_bwd as bwd
-            dx, dw, dhalo = bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps)
+            dx, dw, dhalo = bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, splits=splits)
         else:
             # unused outputs arrive as zeros
             dx, dw, dhalo = _run(_csn_bwd, compiled, x, weight, halo, lags, dq, dk, dv, splits, head_dim, eps)
@@ -467,11 +467,12 @@ def conv_silu_norm(x, weight, splits, head_dim, eps, *, halo=None, lags=None, co
 
     Args:
         x: [B, T, C] with C = sum(splits), float. weight: [C, W] (None: no convolution, SiLU only).
-        splits: (H*K, H*K, H*V). halo: [B, W-1, C] or None. lags: int [T] from
-            :func:`lags_in_sequence`, or None. compiled: force the compiled (True) or eager form.
+        splits: (H*K, H*K, HV*V), HV a multiple of H (GVA). halo: [B, W-1, C] or None. lags: int [T]
+            from :func:`lags_in_sequence`, or None. compiled: force the compiled (True) or eager form.
 
     Returns:
-        q, k [B, T, H, K] and v [B, T, H, V], contiguous, in x's dtype.
+        q, k [B, T, H, K] and v [B, T, H, HV*V/H] (each q/k head's value heads side by side),
+        contiguous, in x's dtype.
     """
     splits = tuple(int(s) for s in splits)
     if weight is None:

@@ -15,7 +15,8 @@ of kda_cp.kernels.chunk_kda_fwd.
 
 The layer GPU tests (tests/nn/test_layer_gpu.py) build their own conv and glue kernels, 13 s each on
 the GPU host; `--layer 256 2 --conv-packed --only-layers`, once as is and once with
-`--output-gate-rank 128`, puts them in the cache too.
+`--output-gate-rank 128`, puts them in the cache too, and the same with `--output-gate-rank 128
+--v-heads 4` those of the GVA layers of tests/nn/test_interop_gpu.py.
 
 --jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
@@ -43,6 +44,7 @@ def main():
                     help="also the short conv kernels of a KDALayer(d_model=D, num_heads=H, head_dim=--head-dim) "
                          "(repeatable); the conv kernels are built per channel count and row stride")
     ap.add_argument("--output-gate-rank", type=int, default=None, help="the layers' output_gate_rank (default: full)")
+    ap.add_argument("--v-heads", type=int, default=None, help="the layers' num_v_heads (GVA; default: H)")
     ap.add_argument("--conv-packed", action="store_true", help="the conv kernels for packed sequences too")
     ap.add_argument("--conv-tune", action="store_true", help="the conv kernels of every launch scripts/tune_conv.py times")
     ap.add_argument("--only-layers", action="store_true", help="only the --layer conv kernels")
@@ -58,7 +60,8 @@ def main():
     C, dt = args.chunk_size, args.dtype
     builds = {}
     for D, H in args.layer:
-        builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed, args.conv_tune))
+        builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed, args.conv_tune,
+                                   args.v_heads))
         builds.update(_glue_builds(H, args.head_dim[0], dt))
     for K in [] if args.only_layers else args.head_dim:
         builds.update(_op_builds(K, C, dt, not args.no_backward))
@@ -107,37 +110,40 @@ def _op_builds(K, C, dt, backward):
     return builds
 
 
-def _conv_builds(D, H, K, dt, output_gate_rank, packed, tune=False):
+def _conv_builds(D, H, K, dt, output_gate_rank, packed, tune=False, v_heads=None):
     """{name: build} of the conv + SiLU + L2Norm kernels (forward, backward; q, k, v parts) that a
-    KDALayer of this shape launches: x is the first 3 H K columns of the fused input projection, whose row holds
-    W_qkv, W_g_down (rank K), W_beta (H) and the output gate's first matrix."""
+    KDALayer of this shape launches: x is the first (2 H + HV) K columns of the fused input projection, whose row
+    holds W_qkv, W_g_down (rank K), W_beta (HV) and the output gate's first matrix."""
     from kda_cp.kernels.conv import build_conv_kernel
     from kda_cp.layers import KDAConfig
 
-    c = KDAConfig(d_model=D, num_heads=H, head_dim=K, output_gate_rank=output_gate_rank)
+    c = KDAConfig(d_model=D, num_heads=H, num_v_heads=v_heads, head_dim=K, output_gate_rank=output_gate_rank)
     rank = K if c.gate_rank is None else c.gate_rank
     og = c.v_heads * c.v_dim if output_gate_rank is None else output_gate_rank
-    width = 3 * H * K + rank + c.v_heads + og
+    C = 2 * H * K + c.v_heads * c.v_dim
+    width = C + rank + c.v_heads + og
     if width * (2 if dt in ("bfloat16", "float16") else 4) % 16:
-        width = 3 * H * K  # rows TMA cannot read in place: the conv reads a contiguous copy (conv._rows)
-    pre = f"layer D={D} H={H}: "
+        width = C  # rows TMA cannot read in place: the conv reads a contiguous copy (conv._rows)
+    parts = [(H, 0), (H, H * K), (c.v_heads * c.v_dim // K, 2 * H * K)]  # (heads of K columns, first column)
+    pre = f"layer D={D} H={H}{'' if v_heads is None else f' HV={v_heads}'}: "
     builds = {}
     for pk in (False, True) if packed else (False,):
         for bwd in (False, True):
-            for part in range(3):
+            for part, (nh, base) in enumerate(parts):
                 builds[pre + f"conv {'bwd' if bwd else 'fwd'} part {part} packed={pk}"] = (
-                    lambda pk=pk, bwd=bwd, part=part: build_conv_kernel(
-                        3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd, packed=pk))
+                    lambda pk=pk, bwd=bwd, part=part, nh=nh, base=base: build_conv_kernel(
+                        C, width, nh, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd, packed=pk,
+                        base=base))
     if tune:  # the other launches of tune_conv.py (dense)
         from tune_conv import LAUNCHES
 
         for bwd in (False, True):
             for launch in LAUNCHES["bwd" if bwd else "fwd"][1:]:
-                for part in range(3):
+                for part, (nh, base) in enumerate(parts):
                     builds[pre + f"conv {'bwd' if bwd else 'fwd'} part {part} launch {launch}"] = (
-                        lambda bwd=bwd, part=part, launch=launch: build_conv_kernel(
-                            3 * H * K, width, H, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd,
-                            packed=False, launch=launch))
+                        lambda bwd=bwd, part=part, launch=launch, nh=nh, base=base: build_conv_kernel(
+                            C, width, nh, K, c.conv_size, part, dt, dt, float(c.norm_eps), backward=bwd,
+                            packed=False, launch=launch, base=base))
     return builds
 
 

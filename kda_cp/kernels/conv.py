@@ -1,6 +1,7 @@
 """The layer's short conv + SiLU + L2Norm of q and k, forward and backward, as TileLang kernels.
 
-For stacked channels c of q | k | v (C = 2*H*K + H*V, here V == K) and tokens t of a sequence:
+For stacked channels c of q | k | v (C = 2*H*K + HV*V; v taken as HV*V/K column groups of K) and tokens t of a
+sequence:
 
     pre[t, c] = sum_{l < W} w[c, W-1-l] * x[t - l, c]      tap l reads zero when l > lags[t]
     y[t, c]   = SiLU(pre[t, c])
@@ -44,8 +45,9 @@ def _and(a, b):
     return a if b is True else a & b
 
 
-def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, backward, packed):
-    """One launch covers the H heads of one part (0: q, 1: k, 2: v; q and k are L2-normed).
+def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, backward, packed, base):
+    """One launch covers the H heads of K channels of one part (0: q, 1: k, 2: v; q and k are
+    L2-normed), the x columns base .. base + H*K.
 
     packed: taps are masked by Lags (packed sequences); else every tap reads the same sequence
     (the halo before the shard) and Lags is not read. Each block's tiles alternate between two
@@ -63,7 +65,7 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, ba
     B = T.dynamic("B")
     S = T.dynamic("S")  # blocks along the tokens; each walks a contiguous share of the tiles
     norm = part < 2
-    cbase = part * H * K
+    cbase = base
 
     def tap_ok(lg, r, lag):
         """Tap ``lag`` of tile row r reads the same sequence (dense: always, the halo before the
@@ -316,9 +318,11 @@ def _conv_func(C, CS, H, K, W, part, dtype, hdtype, eps, threads, min_blocks, ba
 
 
 def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward, packed=True, launch=None,
-                      fast_math=True):
-    """Compile the forward or the backward of one part (0: q, 1: k, 2: v); T, B and the token
-    split S dynamic. CS >= C is X's row stride (X may be the first C columns of a wider buffer).
+                      fast_math=True, base=None):
+    """Compile the forward or the backward of one part (0: q, 1: k, 2: v) of H heads of K
+    channels, x's columns base .. base + H*K (default base = part * H * K; under GVA the v part
+    has other heads than q and k); T, B and the token split S dynamic. CS >= C is X's row stride
+    (X may be the first C columns of a wider buffer).
 
     Forward: kernel(X[B*T, CS], Wt[W, C] f32 (tap-major: Wt[j] = weight[:, j]), Halo[B, W-1, C],
     Lags[T] i32, Y[B*T, H, K], Split[S] (only its length is read)).
@@ -333,27 +337,33 @@ def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward,
     if (CS * (4 if dtype == "float32" else 2)) % 16:
         raise ValueError(f"row stride CS={CS} of {dtype} is not a multiple of 16 bytes, which the TMA loads need")
     launch = tuple(launch or (BWD_LAUNCH if backward else FWD_LAUNCH))
+    base = part * H * K if base is None else int(base)
+    if not 0 <= base <= C - H * K:
+        raise ValueError(f"part columns {base} .. {base + H * K} lie outside x's C={C} channels")
     return _build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, float(eps), backward, packed, launch,
-                              fast_math)
+                              fast_math, base)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, backward, packed, launch, fast_math):
+def _build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, backward, packed, launch, fast_math, base):
     threads, per_sm = launch
     return compile_kernel(_conv_func(C, CS, H, K, W, part, dtype, halo_dtype, eps, threads, per_sm, backward,
-                                     packed),
+                                     packed, base),
                           name="conv_bwd" if backward else "conv_fwd", fast_math=fast_math)
 
 
 def conv_supported(x, weight, splits, head_dim) -> tuple[bool, str]:
     """Whether the kernels cover this call: CUDA Hopper, x bf16/fp16 [B, T, C] with unit channel
-    stride, q, k and v heads all of ``head_dim`` channels (64 or 128), tilelang importable."""
+    stride, splits (q, k, v channels) with q and k of equal width, every part a whole number of
+    ``head_dim`` (64 or 128) columns (v of GVA's more heads too), tilelang importable."""
     if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9):
         return False, "not a Hopper (sm_90) CUDA tensor"
     if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 3 or x.stride(-1) != 1:
         return False, f"x must be bf16/fp16 [B, T, C] with unit channel stride, got {x.dtype} {tuple(x.shape)}"
-    if len(set(splits)) != 1 or head_dim not in (64, 128) or splits[0] % head_dim or weight is None:
-        return False, f"splits {splits} with head_dim {head_dim}: need H*K == H*V, K in (64, 128), a conv weight"
+    if (len(splits) != 3 or splits[0] != splits[1] or head_dim not in (64, 128) or weight is None
+            or any(s < 1 or s % head_dim for s in splits)):
+        return False, f"splits {splits} with head_dim {head_dim}: need q = k widths, every part a multiple of " \
+                      f"head_dim in (64, 128), a conv weight"
     if not 2 <= weight.shape[1] < TILE:
         return False, f"conv width {weight.shape[1]}: the kernels need 2 <= W < {TILE}"
     return True, ""
@@ -403,38 +413,51 @@ FWD_LAUNCH = (256, 2)
 BWD_LAUNCH = (256, 2)
 
 
-def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, launch=FWD_LAUNCH):
+def _parts(C, K, splits):
+    """(heads of K channels, first column) of the q, k and v parts of x's C channels."""
+    splits = (C // 3,) * 3 if splits is None else tuple(int(s) for s in splits)
+    if sum(splits) != C or any(s % K for s in splits):
+        raise ValueError(f"splits {splits} must sum to x's C={C} channels, each a multiple of head_dim={K}")
+    return [(s // K, sum(splits[:i])) for i, s in enumerate(splits)], splits
+
+
+def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, splits=None, launch=FWD_LAUNCH):
     """q, k, v = the layer's conv + SiLU + L2Norm (module docstring) on the kernels.
 
-    Args: x [B, T, C] bf16/fp16, C = 3 * H * K, unit channel stride; weight [C, W]; halo
-    [B, W-1, C] in x's dtype; lags int [T] or None (every tap valid; the halo feeds t < W-1);
-    launch: (threads, blocks per SM), for scripts/tune_conv.py.
-    Returns q, k, v [B, T, H, K], contiguous.
+    Args: x [B, T, C] bf16/fp16, unit channel stride; weight [C, W]; halo [B, W-1, C] in x's
+    dtype; lags int [T] or None (every tap valid; the halo feeds t < W-1); splits: the q, k, v
+    channel counts (H*K, H*K, HV*V), default three equal parts; launch: (threads, blocks per SM),
+    for scripts/tune_conv.py.
+    Returns q, k [B, T, H, K] and v [B, T, H, HV*V/H], contiguous (glue.conv_silu_norm's shapes).
     """
     B, T, C = x.shape
     K = head_dim
-    H = C // (3 * K)
+    parts, splits = _parts(C, K, splits)
+    H = parts[0][0]
+    if splits[2] % H:
+        raise ValueError(f"v's {splits[2]} channels do not split into the {H} heads of q and k")
     W = weight.shape[1]
-    outs = [torch.empty(B, T, H, K, dtype=x.dtype, device=x.device) for _ in range(3)]
-    if T == 0:
-        return tuple(outs)
-    rows, CS = _rows(x)
-    wt = weight.float().t().contiguous()
-    halo = halo.to(x.dtype).contiguous()
-    lg = _lags(lags, T, W, x.device)
-    split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=launch[1]), dtype=torch.int32, device=x.device)
-    for part, y in enumerate(outs):
-        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps), backward=False,
-                                 packed=lags is not None, launch=launch)
-        kern(rows, wt, halo, lg, y.view(B * T, H, K), split)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, splits[2] // H)]  # v: glue's [B, T, H, HV V / H]
+    outs = [torch.empty(*sh, dtype=x.dtype, device=x.device) for sh in shapes]
+    if T > 0:
+        rows, CS = _rows(x)
+        wt = weight.float().t().contiguous()
+        halo = halo.to(x.dtype).contiguous()
+        lg = _lags(lags, T, W, x.device)
+        split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=launch[1]), dtype=torch.int32, device=x.device)
+        for part, (y, (nh, base)) in enumerate(zip(outs, parts)):
+            kern = build_conv_kernel(C, CS, nh, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps),
+                                     backward=False, packed=lags is not None, launch=launch, base=base)
+            kern(rows, wt, halo, lg, y.view(B * T, nh, K), split)
     return tuple(outs)
 
 
-def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, *, launch=BWD_LAUNCH):
+def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, *, splits=None, launch=BWD_LAUNCH):
     """Gradients (dx [B, T, C], dweight [C, W], dhalo [B, W-1, C]) of :func:`conv_silu_norm_fwd`."""
     B, T, C = x.shape
     K = head_dim
-    H = C // (3 * K)
+    parts, _ = _parts(C, K, splits)
+    H = parts[0][0]
     W = weight.shape[1]
     dhalo = torch.zeros(B, W - 1, C, dtype=halo.dtype, device=x.device)
     if T == 0:
@@ -443,12 +466,13 @@ def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, *, laun
     wt = weight.float().t().contiguous()
     hx = halo.to(x.dtype).contiguous()
     lg = _lags(lags, T, W, x.device)
+    # one token split for the three parts: each writes its own columns of every row of dwp
     S = _blocks(-(-T // (TILE - (W - 1))), H, B, x, per_sm=launch[1])
     dx = torch.empty(B * T, C, dtype=x.dtype, device=x.device)
     dwp = torch.empty(S, B, W, 4, C, dtype=torch.float32, device=x.device)  # row u*4+g: tap W-1-u
-    for part, d in enumerate((dq, dk, dv)):
-        kern = build_conv_kernel(C, CS, H, K, W, part, tl_dtype(x.dtype), tl_dtype(halo.dtype), float(eps),
-                                 backward=True, packed=lags is not None, launch=launch)
-        kern(rows, wt, hx, lg, _tma_ready(d.to(x.dtype).reshape(B * T, H, K)), dx, dhalo, dwp.view(S, B, 4 * W, C))
+    for part, (d, (nh, base)) in enumerate(zip((dq, dk, dv), parts)):
+        kern = build_conv_kernel(C, CS, nh, K, W, part, tl_dtype(x.dtype), tl_dtype(halo.dtype), float(eps),
+                                 backward=True, packed=lags is not None, launch=launch, base=base)
+        kern(rows, wt, hx, lg, _tma_ready(d.to(x.dtype).reshape(B * T, nh, K)), dx, dhalo, dwp.view(S, B, 4 * W, C))
     dw = dwp.sum((0, 1, 3)).flip(0).t().to(weight.dtype)
     return dx.view(B, T, C), dw, dhalo

@@ -308,6 +308,18 @@ def test_conv_glue_kernels_compile(backward, packed):
         assert ("Lags[" in body) == packed
 
 
+def test_conv_gva_value_part_reads_its_own_columns():
+    """Under GVA the v part has its own head count and first column: 4 value heads from column 512
+    of q | k | v = 256 | 256 | 512 channels read x at 512 + 128 h; a part outside x is a ValueError."""
+    from kda_cp.kernels.conv import build_conv_kernel
+
+    src = build_conv_kernel(1024, 1040, 4, 128, 4, 2, "bfloat16", "bfloat16", 1e-6, backward=False,
+                            packed=False, base=512).get_kernel_source()
+    assert "tl::tma_load(X_desc, bar_a[0], (&(((bfloat16_t*)xa)[0])), ((((int)blockIdx.y) * 128) + 512)" in src
+    with pytest.raises(ValueError, match="outside x's C=1024"):
+        build_conv_kernel(1024, 1040, 4, 128, 4, 2, "bfloat16", "bfloat16", 1e-6, backward=False, base=640)
+
+
 def test_conv_backward_launch_bounds_follow_the_launch():
     """tune_conv.py's launches: the backward asks ptxas for the blocks per SM it plans for (its
     default, 256 threads and two blocks), and the same kernel builds for 512 threads and one."""

@@ -1,6 +1,7 @@
 """The TileLang short conv + SiLU + L2Norm kernels (kda_cp.kernels.conv), forward and backward,
 against the fp64 glue on the same bf16 inputs: dense batches, packed sequences, a CP halo, shards
-shorter than the conv, and input rows that are the first columns of a wider projection output."""
+shorter than the conv, input rows that are the first columns of a wider projection output, and
+GVA's v with more heads than q and k."""
 
 from __future__ import annotations
 
@@ -22,49 +23,58 @@ TOL_BF16 = 4e-3
 TOL_DW = 1e-4
 
 
-def _case(B, T, H, K, W, *, halo, cu, extra_cols, seed, start=0):
+def _case(B, T, H, K, W, *, halo, cu, extra_cols, seed, start=0, HV=None):
     gen = torch.Generator().manual_seed(seed)
-    C = 3 * H * K
+    HV = HV or H
+    C = (2 * H + HV) * K
     proj = torch.randn(B, T, C + extra_cols, generator=gen).to(torch.bfloat16)
     w = torch.randn(C, W, generator=gen) / W**0.5
     h = torch.randn(B, W - 1, C, generator=gen).to(torch.bfloat16) if halo else torch.zeros(B, W - 1, C).to(torch.bfloat16)
     lags = None if cu is None else glue.lags_in_sequence(torch.tensor(cu), start, T, W - 1, "cpu")
-    dys = [torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    dys = [torch.randn(B, T, H, n * K // H, generator=gen).to(torch.bfloat16) for n in (H, H, HV)]
     return proj, w, h, lags, dys
 
 
-def _grads(proj, w, h, lags, dys, H, K, device, dtype, compiled):
-    C = 3 * H * K
+def _splits(H, K, HV=None):
+    return (H * K, H * K, (HV or H) * K)
+
+
+def _grads(proj, w, h, lags, dys, H, K, device, dtype, compiled, HV=None):
+    C = sum(_splits(H, K, HV))
     p = proj.to(device=device, dtype=dtype).requires_grad_(True)
     wd = w.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype).requires_grad_(True)
     hd = h.to(device=device, dtype=dtype).requires_grad_(True)
     ld = None if lags is None else lags.to(device)
-    q, k, v = glue.conv_silu_norm(p[..., :C], wd, (H * K,) * 3, K, 1e-6, halo=hd, lags=ld, compiled=compiled)
+    q, k, v = glue.conv_silu_norm(p[..., :C], wd, _splits(H, K, HV), K, 1e-6, halo=hd, lags=ld, compiled=compiled)
     grads = torch.autograd.grad((q, k, v), (p, wd, hd), [d.to(device=device, dtype=dtype) for d in dys])
     return (q, k, v), (grads[0][..., :C], grads[1], grads[2])
 
 
 # cu: global offsets of packed sequences; start: the shard's first global position
-CASES = pytest.mark.parametrize("B,T,H,K,halo,cu,start,extra", [
-    (2, 333, 2, 128, False, None, 0, 0),                   # T not a multiple of the 61/64-row tiles
-    (1, 1000, 2, 128, False, [0, 300, 301, 302, 777, 1000], 0, 16),  # packed, one-token sequences
-    (2, 200, 3, 64, True, None, 0, 0),                     # a CP shard with its halo, K = 64
-    (1, 250, 2, 128, True, [0, 42, 43, 290], 40, 8),       # a shard whose first sequence began before it
-    (1, 2, 2, 128, True, None, 0, 0),                      # shorter than the conv: rows from the halo
-    (2, 10000, 4, 128, False, None, 0, 200),               # several tiles per block (odd counts), batch rows
-    (1, 9000, 2, 128, True, [0, 70, 4000, 4001, 9050], 50, 0),  # packed over several tiles per block
-], ids=["dense", "packed", "halo-K64", "halo-packed", "short", "long", "long-packed"])
+# HV: GVA's value heads (v has HV * K channels; None: H)
+CASES = pytest.mark.parametrize("B,T,H,K,halo,cu,start,extra,HV", [
+    (2, 333, 2, 128, False, None, 0, 0, None),             # T not a multiple of the 61/64-row tiles
+    (1, 1000, 2, 128, False, [0, 300, 301, 302, 777, 1000], 0, 16, None),  # packed, one-token sequences
+    (2, 200, 3, 64, True, None, 0, 0, None),               # a CP shard with its halo, K = 64
+    (1, 250, 2, 128, True, [0, 42, 43, 290], 40, 8, None),  # a shard whose first sequence began before it
+    (1, 2, 2, 128, True, None, 0, 0, None),                # shorter than the conv: rows from the halo
+    (2, 10000, 4, 128, False, None, 0, 200, None),         # several tiles per block (odd counts), batch rows
+    (1, 9000, 2, 128, True, [0, 70, 4000, 4001, 9050], 50, 0, None),  # packed over several tiles per block
+    (1, 1000, 2, 128, True, [0, 300, 301, 1020], 20, 8, 4),  # GVA: v of 4 heads against q, k of 2, packed
+    (2, 333, 1, 64, True, None, 0, 0, 3),                  # GVA with HV / H = 3, K = 64, a halo
+], ids=["dense", "packed", "halo-K64", "halo-packed", "short", "long", "long-packed", "gva-packed", "gva-K64"])
 
 
 @pytest.mark.parametrize("mode", ["bwd", "all"])
 @CASES
-def test_conv_kernel_matches_fp64(B, T, H, K, halo, cu, start, extra, mode, monkeypatch):
+def test_conv_kernel_matches_fp64(B, T, H, K, halo, cu, start, extra, HV, mode, monkeypatch):
     monkeypatch.setenv("KDA_CP_GLUE_KERNELS", mode)
     W = 4
-    args = _case(B, T, H, K, W, halo=halo, cu=cu, extra_cols=extra, seed=T + 7 * H, start=start)
-    (ref_out, ref_grads) = _grads(*args, H, K, "cpu", torch.float64, compiled=False)
-    (out, grads) = _grads(*args, H, K, "cuda", torch.bfloat16, compiled=True)
-    assert glue._use_kernel(args[0].cuda()[..., : 3 * H * K], args[1].cuda(), (H * K,) * 3, K, "bwd"), \
+    args = _case(B, T, H, K, W, halo=halo, cu=cu, extra_cols=extra, seed=T + 7 * H, start=start, HV=HV)
+    (ref_out, ref_grads) = _grads(*args, H, K, "cpu", torch.float64, compiled=False, HV=HV)
+    (out, grads) = _grads(*args, H, K, "cuda", torch.bfloat16, compiled=True, HV=HV)
+    C = sum(_splits(H, K, HV))
+    assert glue._use_kernel(args[0].cuda()[..., :C], args[1].cuda(), _splits(H, K, HV), K, "bwd"), \
         "the case must run on the TileLang kernels"
     for name, r, o in zip("qkv", ref_out, out):
         assert_close(name, r, o.cpu(), TOL_BF16)
