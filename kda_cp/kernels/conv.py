@@ -444,11 +444,12 @@ def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, splits=None, lau
         wt = weight.float().t().contiguous()
         halo = halo.to(x.dtype).contiguous()
         lg = _lags(lags, T, W, x.device)
-        split = torch.empty(_blocks(-(-T // TILE), H, B, x, per_sm=launch[1]), dtype=torch.int32, device=x.device)
+        token_splits = {nh: torch.empty(_blocks(-(-T // TILE), nh, B, x, per_sm=launch[1]), dtype=torch.int32,
+                                     device=x.device) for nh, _ in parts}  # one wave of blocks per part
         for part, (y, (nh, base)) in enumerate(zip(outs, parts)):
             kern = build_conv_kernel(C, CS, nh, K, W, part, tl_dtype(x.dtype), tl_dtype(x.dtype), float(eps),
                                      backward=False, packed=lags is not None, launch=launch, base=base)
-            kern(rows, wt, halo, lg, y.view(B * T, nh, K), split)
+            kern(rows, wt, halo, lg, y.view(B * T, nh, K), token_splits[nh])
     return tuple(outs)
 
 
