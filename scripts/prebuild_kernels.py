@@ -16,7 +16,9 @@ of kda_cp.kernels.chunk_kda_fwd.
 The layer GPU tests (tests/nn/test_layer_gpu.py) build their own conv and glue kernels, 13 s each on
 the GPU host; `--layer 256 2 --conv-packed --only-layers`, once as is and once with
 `--output-gate-rank 128`, puts them in the cache too, and the same with `--output-gate-rank 128
---v-heads 4` those of the GVA layers of tests/nn/test_interop_gpu.py.
+--v-heads 4` those of the GVA layers of tests/nn/test_interop_gpu.py. The kernel GPU tests (tests/kernels,
+tests/ops, tests/cp) also build K = 64 and fp16 kernels: `--head-dim 64`, `--head-dim 64 --dtype float16` and
+`--head-dim 128 --dtype float16` cache those (about 15 minutes with --jobs 2).
 
 --jobs N splits the list over N processes (about one core each; most of a build is nvcc).
 """
