@@ -473,8 +473,16 @@ def conv_silu_norm(x, weight, splits, head_dim, eps, *, halo=None, lags=None, co
     Returns:
         q, k [B, T, H, K] and v [B, T, H, HV*V/H] (each q/k head's value heads side by side),
         contiguous, in x's dtype.
+
+    Raises:
+        ValueError: splits not (H*K, H*K, HV*V) of x's C channels with K = head_dim and HV*V a
+            multiple of H.
     """
     splits = tuple(int(s) for s in splits)
+    if (len(splits) != 3 or sum(splits) != x.shape[-1] or splits[0] != splits[1] or splits[0] < head_dim
+            or splits[0] % head_dim or splits[2] % (splits[0] // head_dim)):
+        raise ValueError(f"splits must be (H*K, H*K, HV*V) of x's {x.shape[-1]} channels with K = head_dim = "
+                         f"{head_dim} and HV*V a multiple of H, got {splits}")
     if weight is None:
         return _run(_silu_norm, compiled, x, splits, int(head_dim), float(eps))
     if compiled is None:

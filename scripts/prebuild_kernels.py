@@ -64,7 +64,7 @@ def main():
     for D, H in args.layer:
         builds.update(_conv_builds(D, H, args.head_dim[0], dt, args.output_gate_rank, args.conv_packed, args.conv_tune,
                                    args.v_heads))
-        builds.update(_glue_builds(H, args.head_dim[0], dt))
+        builds.update(_glue_builds(args.v_heads or H, args.head_dim[0], dt))  # the gate runs over the value heads
     for K in [] if args.only_layers else args.head_dim:
         builds.update(_op_builds(K, C, dt, not args.no_backward))
     if args.match:

@@ -332,7 +332,8 @@ def build_conv_kernel(C, CS, H, K, W, part, dtype, halo_dtype, eps, *, backward,
     launch: (threads per block, resident blocks per SM), default FWD_LAUNCH or BWD_LAUNCH; the
     backward's launch bounds ask ptxas for that many blocks (the forward as compiled fits two
     blocks of 256 threads or four of 128 by registers).
-    Raises ValueError when CS rows are not 16-byte multiples (TMA).
+    Raises ValueError when CS rows are not 16-byte multiples (TMA) or the part's columns lie
+    outside x's C.
     """
     if (CS * (4 if dtype == "float32" else 2)) % 16:
         raise ValueError(f"row stride CS={CS} of {dtype} is not a multiple of 16 bytes, which the TMA loads need")
@@ -429,6 +430,8 @@ def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, splits=None, lau
     channel counts (H*K, H*K, HV*V), default three equal parts; launch: (threads, blocks per SM),
     for scripts/tune_conv.py.
     Returns q, k [B, T, H, K] and v [B, T, H, HV*V/H], contiguous (glue.conv_silu_norm's shapes).
+    Raises ValueError when splits do not sum to C, a part is not a multiple of head_dim, or v's
+    channels do not split into q's H heads.
     """
     B, T, C = x.shape
     K = head_dim
@@ -454,7 +457,9 @@ def conv_silu_norm_fwd(x, weight, halo, lags, head_dim, eps, *, splits=None, lau
 
 
 def conv_silu_norm_bwd(x, weight, halo, lags, dq, dk, dv, head_dim, eps, *, splits=None, launch=BWD_LAUNCH):
-    """Gradients (dx [B, T, C], dweight [C, W], dhalo [B, W-1, C]) of :func:`conv_silu_norm_fwd`."""
+    """Gradients (dx [B, T, C], dweight [C, W], dhalo [B, W-1, C]) of :func:`conv_silu_norm_fwd`,
+    from dq, dk [B, T, H, K] and dv [B, T, H, HV*V/H] (its outputs' shapes; splits as there).
+    Raises ValueError as :func:`conv_silu_norm_fwd` for splits that do not fit x."""
     B, T, C = x.shape
     K = head_dim
     parts, _ = _parts(C, K, splits)

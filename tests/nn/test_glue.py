@@ -274,3 +274,13 @@ def test_gate_and_norm_are_first_order_only():
     y = glue.rms_norm_gated(x, torch.ones(8, dtype=torch.float64), gate, 1e-6)
     with pytest.raises(NotImplementedError, match="rms_norm_gated"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("splits,C", [((32, 32, 48), 120), ((32, 16, 32), 80), ((48, 48, 16), 112), ((8, 8, 16), 32)],
+                         ids=["not-C", "q-k-differ", "v-not-multiple-of-H", "q-narrower-than-head"])
+def test_conv_silu_norm_bad_splits_are_a_value_error(splits, C):
+    """splits that are not (H*K, H*K, HV*V) of x's C channels with HV*V a multiple of H name themselves."""
+    x = torch.randn(1, 5, C, dtype=torch.float64)
+    w = torch.randn(C, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"splits must be \(H\*K, H\*K, HV\*V\)"):
+        glue.conv_silu_norm(x, w, splits, 16, 1e-6, compiled=False)
