@@ -57,6 +57,25 @@ def time_ms(fn, repeats, warmup=2, device="cuda"):
     return statistics.median(times)
 
 
+def stream_ms(fn, repeats, warmup=2):
+    """(device ms, host ms) per call of ``repeats`` calls of fn issued back to back on CUDA, as a
+    training loop issues its steps: one pair of events around them all, no sync in between. The
+    host ms is the time the host takes to issue one call; when it exceeds the device ms the
+    calls are launch-bound."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    a.record()
+    for _ in range(repeats):
+        fn()
+    b.record()
+    host = 1e3 * (time.perf_counter() - t) / repeats
+    b.synchronize()
+    return a.elapsed_time(b) / repeats, host
+
+
 def kernel_launches(fn, calls=3):
     """{kernel name: [CUDA ms per call, launches per call]} from torch.profiler over ``calls`` calls
     of fn (after one warm-up), heaviest first."""

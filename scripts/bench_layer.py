@@ -20,6 +20,9 @@ that runs torch.compile's and the peer's autotuning, reported as warmup_s):
     fwd_ms      forward under no_grad
     fwd_bwd_ms  forward, then torch.autograd.grad of <y, dy> for x and every parameter
     peak_MiB    allocator peak during forward+backward above the memory in use before it
+    fwd_stream_ms, fwd_bwd_stream_ms, fwd_host_ms, fwd_bwd_host_ms (CUDA)
+                --repeats calls issued back to back with no sync between them (as a training
+                loop issues its layers): device ms per call, and the host's ms to issue one
 With --compiled-glue, kda_cp's layer is timed a second time with KDA_CP_GLUE_KERNELS=0 (its
 glue through torch.compile instead of the TileLang glue kernels: conv + SiLU + L2Norm, the gated
 RMSNorm, the gate's backward), row "kda_cp compiled glue". With --gate-in-kernel, it is timed again with KDA_CP_GATE_IN_KERNEL=1 (the gate and
@@ -40,7 +43,7 @@ import time
 
 import torch
 
-from _bench import idle_gaps, peer_backends, time_ms
+from _bench import idle_gaps, peer_backends, stream_ms, time_ms
 from bench_backward import kernel_table, peak_above_base, print_table, rel
 
 from kda_cp.interop import import_kda_state_dict
@@ -84,6 +87,10 @@ def measure(layer, x, dy, repeats, profile, gaps=False):
     row["fwd_ms"] = time_ms(fwd, repeats, device=dev)
     row["fwd_bwd_ms"] = time_ms(fwd_bwd, repeats, device=dev)
     if x.is_cuda:
+        # the calls issued back to back (no sync between them, as in a training loop): device and host
+        # time per call; a call whose host time exceeds its device time leaves the GPU idle
+        for key, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            row[f"{key}_stream_ms"], row[f"{key}_host_ms"] = stream_ms(fn, repeats)
         row["peak_MiB"] = peak_above_base(fwd_bwd)
         if profile:
             row["profile_fwd"] = kernel_table(fwd)
@@ -169,6 +176,15 @@ def print_rows(rows):
             sp = (f"{r['speedup_fwd_ms']:.2f}x", f"{r['speedup_fwd_bwd_ms']:.2f}x") if impl == "kda_cp" and "fla" in r else ("", "")
             print(f"| {n} | {impl} | {m['fwd_ms']:.2f} | {m['fwd_bwd_ms']:.2f} | {m.get('peak_MiB', float('nan')):.0f} "
                   f"| {sp[0]} | {sp[1]} |")
+    if any("fwd_stream_ms" in r.get(impl, {}) for r in rows for impl in IMPLS):
+        print("\n| shape | layer | fwd stream ms (host) | fwd+bwd stream ms (host) |")
+        print("|---|---|---|---|")
+        for r in rows:
+            for impl in IMPLS:
+                m = r.get(impl, {})
+                if "fwd_stream_ms" in m:
+                    print(f"| {r['shape']['name']} | {impl} | {m['fwd_stream_ms']:.2f} ({m['fwd_host_ms']:.2f}) "
+                          f"| {m['fwd_bwd_stream_ms']:.2f} ({m['fwd_bwd_host_ms']:.2f}) |")
     for r in rows:
         if "cross_check" in r:
             c = r["cross_check"]
