@@ -10,11 +10,17 @@ model.kda.output_gate_rank=128`` (the peer's low-rank output gate, so both model
 parameters and FLOPs) for --steps steps with validation and checkpoints off, in a fresh run
 directory under --workdir. Reported from each run's summary.json: median tokens/s, median MFU
 (train FLOPs per token from kda_cp.model.train_flops_per_token over 989 TFLOP/s) and peak memory,
-and the ratio kda_cp / fla. Prints a markdown table and writes JSON to --out.
+and the ratio kda_cp / fla. Prints a markdown table and writes JSON to --out, with the device,
+versions, date and command under "meta", after each run (a run cut short keeps what it measured).
+Without flash-linear-attention the fla run is skipped with a message.
 """
 
 import argparse
+import datetime
+import importlib.util
 import json
+import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -22,6 +28,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def run_meta():
+    """What the numbers ran on: device, versions, date and the command line."""
+    import torch
+
+    from _bench import peer_backends
+
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(),
+            "command": shlex.join(["python", "scripts/bench_hybrid.py", *sys.argv[1:]])}
+    for pkg in ("tilelang", "fla"):
+        if importlib.util.find_spec(pkg) is not None:
+            meta[pkg] = getattr(__import__(pkg), "__version__", "?")
+    if "fla" in meta:
+        meta["fla_kernels"] = peer_backends()
+    return meta
 
 
 def run_one(impl, steps, workdir, extra):
@@ -48,23 +73,35 @@ def main():
     ap.add_argument("--out", default="bench_hybrid.json")
     ap.add_argument("extra", nargs="*", help="more train.py overrides (after --)")
     args = ap.parse_args()
+    impls = list(dict.fromkeys(args.impls))
+    if "fla" in impls and importlib.util.find_spec("fla") is None:
+        print("flash-linear-attention is not installed: skipping its run (pip install flash-linear-attention==0.6.0)")
+        impls.remove("fla")
+    if not impls:
+        raise SystemExit("nothing to run: --impls named only fla, which is not installed")
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_hybrid-")
-    rows = {}
-    for impl in args.impls:
+    meta, rows = run_meta(), {}
+
+    def write():
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "steps": args.steps, "extra": args.extra, "rows": rows}, f, indent=2)
+
+    for impl in impls:
         s = run_one(impl, args.steps, workdir, args.extra)
         rows[impl] = {k: s[k] for k in ("median_tokens_per_s", "median_mfu", "peak_memory_gib", "params",
                                         "train_flops_per_token", "steps", "wall_s_with_startup")}
         print(json.dumps({impl: rows[impl]}), flush=True)
+        write()
     print("\n| KDA layer | tokens/s | MFU | peak GiB |")
     print("|---|---|---|---|")
     for impl, r in rows.items():
-        print(f"| {impl} | {r['median_tokens_per_s']:.0f} | {100 * r['median_mfu']:.1f}% | {r['peak_memory_gib']:.2f} |")
+        mfu = f"{100 * r['median_mfu']:.1f}%" if r["median_mfu"] is not None else "-"
+        print(f"| {impl} | {r['median_tokens_per_s']:.0f} | {mfu} | {r['peak_memory_gib']:.2f} |")
     if {"kda_cp", "fla"} <= rows.keys():
         ratio = rows["kda_cp"]["median_tokens_per_s"] / rows["fla"]["median_tokens_per_s"]
         print(f"kda_cp / fla tokens/s: {ratio:.2f}x")
         rows["tokens_per_s_ratio"] = ratio
-    with open(args.out, "w") as f:
-        json.dump({"steps": args.steps, "extra": args.extra, "rows": rows}, f, indent=2)
+    write()
     print(f"wrote {args.out}")
 
 
