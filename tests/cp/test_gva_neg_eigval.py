@@ -1,6 +1,7 @@
 """Grouped value attention (v with HV = a multiple of H heads) and negative eigenvalues (beta in
 [0, 2], allow_neg_eigval) through chunk_kda and cp_chunk_kda, against the fp64 per-token
-recurrence on the key heads repeated per group; CP over gloo with packed sequences crossing ranks."""
+recurrence on the key heads repeated per group; CP over gloo with packed sequences crossing ranks,
+with the bounded gate and with general gates (g_min=None)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,52 @@ def test_cp_matches_single_device(lengths, cu, groups, neg_eigval):
     for r in res[1:]:  # the final states and the initial state's gradient are replicated
         assert torch.equal(r[1], res[0][1]) and torch.equal(r[7], res[0][7])
     for name, r, x in zip(NAMES, ref, got):
+        assert_close(name, r, x, TOL)
+
+
+def _general_gates(T, HV, K, seed):
+    """g <= 0 unbounded (g_min=None): most channels drawn from (-40, 0), so each 64-token chunk's
+    cumsum goes far below -1000 and single steps below -20, and two slow channels per head near
+    -1e-3 that carry the state across the whole sequence and across ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    g = -40.0 * torch.rand(1, T, HV, K, generator=gen, dtype=torch.float64)
+    g[..., :2] = -1e-3 * (0.5 + torch.rand(1, T, HV, 2, generator=gen, dtype=torch.float64))
+    return g
+
+
+def _general_rank_fn(rank, world, inputs, lengths, cu, neg_eigval):
+    q, k, v, g, beta, h0, do, dfinal = inputs
+    local = [split_sequence(x, world, 1, lengths)[rank].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h = h0.clone().requires_grad_(True)
+    o, final = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h, output_final_state=True,
+                            cu_seqlens=torch.tensor(cu), g_min=None, allow_neg_eigval=neg_eigval)
+    do_local = split_sequence(do, world, 1, lengths)[rank]
+    ((o * do_local).sum() + (final * dfinal).sum() / world).backward()
+    return [o.detach(), final.detach()] + [x.grad for x in local] + [h.grad]
+
+
+@pytest.mark.parametrize("lengths,cu,groups,neg_eigval", [
+    ([200, 193], [0, 130, 131, 393], 1, False),
+    ([130, 141, 122], [0, 70, 300, 301, 393], 2, True),  # a sequence over three ranks
+    ([100, 97, 110, 86], [0, 45, 350, 393], 2, False),  # a sequence over four ranks
+], ids=["P2", "P3-gva2-neg-eigval", "P4-gva2"])
+def test_cp_general_gates_match_the_recurrence(lengths, cu, groups, neg_eigval):
+    """cp_chunk_kda with g_min=None (the default chunk of 64) on gates with steps below -20 and
+    chunk cumsums below -1000 next to slow channels: outputs, final states and every gradient
+    equal the fp64 per-token recurrence and are finite."""
+    T = sum(lengths)
+    q, k, v, _, beta, h0, do, dfinal = _inputs(T, 2, groups, len(cu) - 1, neg_eigval, seed=20 + len(lengths))
+    g = _general_gates(T, v.shape[2], q.shape[3], seed=30 + len(lengths))
+    assert g.min() < -20 and g[0, :64].sum(0).min() < -1000 and g[..., :2].min() > -2e-3
+    inputs = (q, k, v, g, beta, h0, do, dfinal)
+    ref = _reference(*inputs, cu)
+    res = run_ranks(_general_rank_fn, len(lengths), inputs, lengths, cu, neg_eigval)
+    got = [torch.cat([r[0] for r in res], 1), res[0][1]]
+    got += [torch.cat([r[i] for r in res], 1) for i in range(2, 7)] + [res[0][7]]
+    for r in res[1:]:  # the final states and the initial state's gradient are replicated
+        assert torch.equal(r[1], res[0][1]) and torch.equal(r[7], res[0][7])
+    for name, r, x in zip(NAMES, ref, got):
+        assert torch.isfinite(r).all(), name
         assert_close(name, r, x, TOL)
 
 

@@ -11,48 +11,71 @@ from kda_cp.parallel import CPContext, parallelize
 from kda_cp import glue
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.ops import chunk_kda
-from kda_cp.parallel.layers.conv import causal_conv1d
 
 from tests._utils import perturbed
 
 
+def _causal_conv(x: torch.Tensor, w: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """Depthwise causal conv of x [B, T, C] with w [C, W] (y[t] = sum_j w[:, j] x[t - (W-1) + j]),
+    by F.conv1d, each packed sequence on its own."""
+    T, W = x.shape[1], w.shape[1]
+    if cu_seqlens is not None:
+        cu = [int(c) for c in cu_seqlens]
+        return torch.cat([_causal_conv(x[:, s:e], w, None) for s, e in zip(cu, cu[1:])], dim=1)
+    return F.conv1d(x.transpose(1, 2), w[:, None, :], padding=W - 1, groups=w.shape[0])[..., :T].transpose(1, 2)
+
+
 def unfused_forward(layer: KDALayer, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-    """The KDA layer written op by op (conv1d, SiLU, F.normalize, the gate's linear with its bias,
-    RMSNorm, sigmoid): the reference for the fused glue."""
+    """The KDA layer written op by op from its weights with plain torch (F.linear, F.conv1d per
+    packed sequence, SiLU, F.normalize, the gate, beta, RMSNorm, sigmoid), none of the layer's
+    modules or kda_cp's glue: the reference for the fused glue. Both gate forms (g_min set:
+    g_min * sigmoid(exp(A_log) * (z + dt_bias)); None: -exp(A_log) * softplus(z + dt_bias)), GVA
+    (value head j reads key head j // (HV / H): q, k repeated here, the op sees HV heads
+    throughout) and allow_neg_eigval (beta = 2 sigmoid(.))."""
     c = layer.config
     B, T, _ = x.shape
-    H, K, V = c.num_heads, c.head_dim, c.v_dim
-    qkv = layer.qkv_proj(x)
+    H, HV, K, V = c.num_heads, c.v_heads, c.head_dim, c.v_dim
+    qkv = F.linear(x, layer.qkv_proj.weight)
     if c.conv_size > 0:
-        qkv = causal_conv1d(qkv, layer.qkv_conv.weight, None, cu_seqlens=cu_seqlens)
-    q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-    q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=c.norm_eps)
-    k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=c.norm_eps)
-    v = F.silu(v).view(B, T, H, V)
-    z = layer.g_up(layer.g_down(x)).view(B, T, H, K)
-    g = c.g_min * torch.sigmoid(z * layer.A_log.exp()[:, None])
-    beta = torch.sigmoid(layer.b_proj(x))
+        qkv = _causal_conv(qkv, layer.qkv_conv.weight, cu_seqlens)
+    q, k, v = F.silu(qkv).split([H * K, H * K, HV * V], dim=-1)
+    q = F.normalize(q.view(B, T, H, K), dim=-1, eps=c.norm_eps).repeat_interleave(HV // H, dim=2)
+    k = F.normalize(k.view(B, T, H, K), dim=-1, eps=c.norm_eps).repeat_interleave(HV // H, dim=2)
+    v = v.view(B, T, HV, V)
+    z = F.linear(F.linear(x, layer.g_down.weight), layer.g_up.weight, layer.g_up.bias).view(B, T, HV, K)
+    a = layer.A_log.exp()[:, None]
+    g = c.g_min * torch.sigmoid(a * z) if c.g_min is not None else -a * F.softplus(z)
+    beta = (2.0 if c.allow_neg_eigval else 1.0) * torch.sigmoid(F.linear(x, layer.b_proj.weight))
     o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, g_min=c.g_min, cu_seqlens=cu_seqlens,
-                     backend="torch")
-    o = layer.o_norm(o) * torch.sigmoid(layer.og_proj(x)).view(B, T, H, V)
-    return layer.o_proj(o.reshape(B, T, H * V))
+                     allow_neg_eigval=c.allow_neg_eigval, backend="torch")
+    og = F.linear(x, layer.og_proj[0].weight)
+    if len(layer.og_proj) > 1:
+        og = F.linear(og, layer.og_proj[1].weight, layer.og_proj[1].bias)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.norm_eps) * layer.o_norm.weight
+    o = o * torch.sigmoid(og.view(B, T, HV, V))
+    return F.linear(o.reshape(B, T, HV * V), layer.o_proj.weight)
 
 
 def _grads(layer, x, y, dy):
     return torch.autograd.grad(y, [x, *layer.parameters()], dy)
 
 
+@pytest.mark.parametrize("g_min,HV,neg_eigval", [(-5.0, 2, False), (None, 2, False), (-5.0, 4, True),
+                                                 (None, 4, False), (None, 4, True)],
+                         ids=["bounded", "softplus", "bounded-gva-neg", "softplus-gva", "softplus-gva-neg"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("conv_size,og_rank", [(4, None), (3, 8), (0, None)])
-def test_fused_layer_equals_unfused_fp64(packed, conv_size, og_rank):
-    torch.manual_seed(11)
-    cfg = KDAConfig(d_model=24, num_heads=2, head_dim=8, value_dim=12, conv_size=conv_size,
-                    output_gate_rank=og_rank, chunk_size=16)
-    layer = perturbed(KDALayer(cfg), 5)
+def test_fused_layer_equals_unfused_fp64(packed, conv_size, og_rank, g_min, HV, neg_eigval):
+    seed = 11 + 3 * conv_size + packed + 7 * (g_min is None) + 13 * HV + 29 * neg_eigval
+    torch.manual_seed(seed)
+    cfg = KDAConfig(d_model=24, num_heads=2, num_v_heads=HV, head_dim=8, value_dim=12, conv_size=conv_size,
+                    output_gate_rank=og_rank, chunk_size=16, g_min=g_min, allow_neg_eigval=neg_eigval)
+    layer = perturbed(KDALayer(cfg), seed)
+    gen = torch.Generator().manual_seed(seed)
     B, T = (1, 53) if packed else (2, 37)  # T not a multiple of the chunk size
     cu = torch.tensor([0, 2, 19, 20, 41, 53]) if packed else None  # sequences of 2 and 1 tokens too
-    x = torch.randn(B, T, 24, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(B, T, 24, dtype=torch.float64)
+    x = torch.randn(B, T, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(B, T, 24, dtype=torch.float64, generator=gen)
     y = layer(x, cu_seqlens=cu)
     y_ref = unfused_forward(layer, x, cu)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)

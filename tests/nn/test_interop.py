@@ -4,6 +4,8 @@ layouts give kda_cp's KDALayer the same function, for both gate forms and with G
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,11 +42,27 @@ def _fla_weights(seed, HV=H):
     return sd
 
 
-def _fla_layer_reference(sd, x, g_min, eps=1e-6, neg_eigval=False):
-    """The peer's layer computed from its own weights: per-part short conv + SiLU, q/k scaled by
-    rsqrt(sum of squares + eps), the safe gate (g_min set) or the softplus gate, sigmoid beta,
-    the recurrence (value head j reading key head j // (HV / H)), RMSNorm times sigmoid of the
-    output gate, the output projection; beta = 2 sigmoid(.) with neg_eigval (its allow_neg_eigval)."""
+def _l2_kda_cp(t, eps):
+    """kda_cp's L2 norm, t / max(||t||_2, eps): the equality checks use it so that they test the rest
+    of the math at fp64 rounding (fla's own t * rsqrt(sum t^2 + eps) is :func:`_l2_fla`)."""
+    return t / torch.linalg.vector_norm(t, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def _l2_fla(t, eps):
+    """flash-linear-attention's l2norm: t * rsqrt(sum t^2 + eps)."""
+    return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps)
+
+
+def _fla_layer_reference(sd, x, g_min, eps=1e-6, neg_eigval=False, cu_seqlens=None):
+    """The peer's layer computed from its own weights: per-part short conv + SiLU, q/k L2-normalized
+    (kda_cp's x / max(||x||, eps), see _l2_kda_cp), the safe gate (g_min set) or the softplus gate,
+    sigmoid beta, the recurrence (value head j reading key head j // (HV / H)), RMSNorm times
+    sigmoid of the output gate, the output projection; beta = 2 sigmoid(.) with neg_eigval (its
+    allow_neg_eigval). With cu_seqlens (B = 1) each packed sequence runs on its own slice of x."""
+    if cu_seqlens is not None:
+        cu = [int(c) for c in cu_seqlens]
+        return torch.cat([_fla_layer_reference(sd, x[:, s:e], g_min, eps, neg_eigval) for s, e in zip(cu, cu[1:])],
+                         dim=1)
     B, T, _ = x.shape
     HV = sd["A_log"].numel()
 
@@ -54,7 +72,7 @@ def _fla_layer_reference(sd, x, g_min, eps=1e-6, neg_eigval=False):
         return F.silu(y.transpose(1, 2)).reshape(B, T, -1, K)
 
     q, k, v = conv("q"), conv("k"), conv("v")
-    q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps) for t in (q, k))
+    q, k = (_l2_kda_cp(t, eps) for t in (q, k))
     q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
     f = F.linear(F.linear(x, sd["f_proj.0.weight"]), sd["f_proj.1.weight"]).reshape(B, T, HV, K)
     f = f + sd["dt_bias"].reshape(HV, K)
@@ -76,20 +94,62 @@ def _kimi_from_fla(sd):
     return out
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("HV,neg_eigval", [(H, False), (2 * H, False), (2 * H, True)],
                          ids=["mha", "gva", "gva-neg-eigval"])
 @pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("layout", ["fla", "kimi"])
-def test_imported_layer_equals_the_peer_layout(layout, g_min, HV, neg_eigval):
-    sd = _fla_weights(seed=3 + (g_min is None) + 2 * HV + 5 * neg_eigval, HV=HV)
+def test_imported_layer_equals_the_peer_layout(layout, g_min, HV, neg_eigval, packed):
+    """The imported layer equals the peer's layer (with kda_cp's L2 norm) in fp64 to 1e-10: y, dx
+    and every parameter's gradient, the reference's gradients mapped to kda_cp's names by the
+    converter; packed: B = 1 with sequences of 37, 1, 103 and 161 tokens, each run on its own by
+    the reference."""
+    seed = 3 + (g_min is None) + 2 * HV + 5 * neg_eigval + 11 * packed + 23 * (layout == "kimi")
+    sd = _fla_weights(seed=seed, HV=HV)
     if layout == "kimi":
         sd["g_proj.1.bias"].zero_()
-    x = torch.randn(2, 77, D, dtype=torch.float64)  # T not a multiple of the chunk size
-    want = _fla_layer_reference(sd, x, g_min, neg_eigval=neg_eigval)
+    for t in sd.values():
+        t.requires_grad_(True)
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 37, 38, 141, 302]) if packed else None  # lengths not multiples of 16 (or 64)
+    B, T = (1, 302) if packed else (2, 77)  # T not a multiple of the chunk size
+    x = torch.randn(B, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(B, T, D, dtype=torch.float64, generator=gen)
+    want = _fla_layer_reference(sd, x, g_min, neg_eigval=neg_eigval, cu_seqlens=cu)
     cfg = _config(g_min, HV, neg_eigval)
     layer = KDALayer(cfg).double()
-    layer.load_state_dict(import_kda_state_dict(sd if layout == "fla" else _kimi_from_fla(sd), cfg, layout))
-    assert_close("y", want, layer(x), 1e-6)  # eps conventions of the L2 norm differ by ~1e-8
+    theirs = {k: v.detach() for k, v in sd.items()}
+    layer.load_state_dict(import_kda_state_dict(theirs if layout == "fla" else _kimi_from_fla(theirs), cfg, layout))
+    got = layer(x, cu_seqlens=cu)
+    assert_close("y", want, got, 1e-10)
+    names = list(sd)
+    ref = torch.autograd.grad(want, [x, *sd.values()], dy)
+    ours = dict(layer.named_parameters())
+    out = torch.autograd.grad(got, [x, *ours.values()], dy)
+    assert_close("dx", ref[0], out[0], 1e-10)
+    ref_grads = import_kda_state_dict(dict(zip(names, ref[1:])), cfg, "fla")  # the converter's key mapping
+    assert ref_grads.keys() == ours.keys()
+    for name, d in zip(ours, out[1:]):
+        assert_close(f"d {name}", ref_grads[name], d, 1e-10)
+
+
+@pytest.mark.parametrize("norm", [1e1, 1.0, 1e-1, 1e-2])
+def test_fla_l2norm_differs_by_eps_over_twice_the_squared_norm(norm):
+    """flash-linear-attention's l2norm x * rsqrt(sum x^2 + eps) and kda_cp's x / max(||x||, eps)
+    (eps = 1e-6 in both) differ by the factor 1 - 1 / sqrt(1 + eps / ||x||^2) ~ eps / (2 ||x||^2):
+    5e-7 at ||x|| = 1, about bf16's resolution at ||x|| = 1e-2, and O(1) at ||x|| <~ 1e-3
+    (docs/design.md §9)."""
+    eps = 1e-6
+    gen = torch.Generator().manual_seed(int(-math.log10(norm)) + 5)
+    x = torch.randn(64, K, dtype=torch.float64, generator=gen)
+    x = x / x.norm(dim=-1, keepdim=True) * norm * (1 + 0.1 * torch.rand(64, 1, dtype=torch.float64, generator=gen))
+    ours, fla = _l2_kda_cp(x, eps), _l2_fla(x, eps)
+    rel = ((ours - fla).norm(dim=-1) / ours.norm(dim=-1))
+    r2 = x.pow(2).sum(-1)
+    torch.testing.assert_close(rel, eps / (2 * r2), rtol=1e-3 + 2 * eps / norm ** 2, atol=0)
+    tiny = 1e-4 * x / norm  # rows of norm ~1e-4: kda_cp still gives unit rows, fla's shrink by ~10x
+    assert (_l2_kda_cp(tiny, eps).norm(dim=-1) - 1).abs().max() < 1e-12
+    assert _l2_fla(tiny, eps).norm(dim=-1).max() < 0.2
 
 
 @pytest.mark.parametrize("layout", ["fla", "kimi"])

@@ -16,39 +16,43 @@ from tests._dist import run_ranks
 OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
 
-def _raw(T, H, K, V, seed, B=1):
-    """Pre-activations drawn fresh: q, k unnormalized, z (gate), b (beta), A_log, dt_bias (fp64)."""
+def _raw(T, H, K, V, seed, B=1, HV=None):
+    """Pre-activations drawn fresh: q, k unnormalized (H heads), v, z (gate), b (beta) with HV heads
+    (GVA: a multiple of H, default H), A_log [HV], dt_bias [HV * K] (fp64)."""
+    HV = H if HV is None else HV
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = 3 * r(B, T, H, K), 2 * r(B, T, H, K), r(B, T, H, V)
-    z = r(B, T, H, K) + torch.linspace(-6, 3, K, dtype=torch.float64)  # slow and fast channels
-    b = 2 * r(B, T, H)
-    A_log = 0.5 * r(H)
-    dt_bias = 0.3 * r(H * K)
+    q, k, v = 3 * r(B, T, H, K), 2 * r(B, T, H, K), r(B, T, HV, V)
+    z = r(B, T, HV, K) + torch.linspace(-6, 3, K, dtype=torch.float64)  # slow and fast channels
+    b = 2 * r(B, T, HV)
+    A_log = 0.5 * r(HV)
+    dt_bias = 0.3 * r(HV * K)
     return [x.requires_grad_(True) for x in (q, k, v, z, b, A_log, dt_bias)]
 
 
 def _explicit(q, k, z, b, A_log, dt_bias, g_min, beta_scale=1.0):
-    """The options' math written out independently of kda_cp.glue."""
-    H, K = q.shape[2:]
+    """The options' math written out independently of kda_cp.glue (the gate's parameters per value head)."""
+    HV, K = z.shape[2:]
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
     k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    u = z + dt_bias.view(H, K)
+    u = z + dt_bias.view(HV, K)
     a = A_log.exp()[:, None]
     g = -a * F.softplus(u) if g_min is None else g_min * torch.sigmoid(a * u)
     return q, k, g, beta_scale * torch.sigmoid(b)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4], ids=["mha", "gva2", "gva4"])  # HV = groups * H value heads
 @pytest.mark.parametrize("g_min,seed,neg", [(-5.0, 11, False), (-2.5, 12, False), (None, 13, False), (None, 14, True),
                                             (-5.0, 15, True)],
                          ids=["bound5", "bound2.5", "softplus", "softplus-neg-eigval", "bound5-neg-eigval"])
-def test_options_equal_explicit_transforms_and_recurrence(g_min, seed, neg):
+def test_options_equal_explicit_transforms_and_recurrence(g_min, seed, neg, groups):
     T, H, K, V = 45, 2, 8, 6
     cu = torch.tensor([0, 9, 10, 45])
-    q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=seed)
+    q, k, v, z, b, A_log, dt_bias = leaves = _raw(T, H, K, V, seed=seed + 100 * (groups - 1), HV=groups * H)
     o, ht = chunk_kda(q, k, v, z, b, A_log=A_log, dt_bias=dt_bias, g_min=g_min, cu_seqlens=cu, chunk_size=16,
                       output_final_state=True, allow_neg_eigval=neg, **OPTS)
     qn, kn, g, beta = _explicit(q, k, z, b, A_log, dt_bias, g_min, beta_scale=2.0 if neg else 1.0)
+    qn, kn = (x.repeat_interleave(groups, dim=2) for x in (qn, kn))  # value head j reads key head j // groups
     o_ref, ht_ref = naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
@@ -148,38 +152,61 @@ def test_non_finite_preactivations_are_refused(g_min):
     assert torch.isfinite(o).all()
 
 
-def _cp_body(rank, world_size, leaves, lengths, cu, do):
+#: (g_min, allow_neg_eigval) of the CP check: the bounded gate, the softplus one, each with beta in (0, 2)
+CP_GATES = [(-5.0, False), (None, False), (None, True), (-5.0, True)]
+
+
+def _cp_body(rank, world_size, cases, lengths, cu):
+    """Every (g_min, allow_neg_eigval) case of one world size on one set of ranks (a spawn costs
+    seconds, a case of this size milliseconds)."""
     import torch.distributed as dist
 
     start = sum(lengths[:rank])
     sl = slice(start, start + lengths[rank])
-    q, k, v, z, b = (x[:, sl].clone().requires_grad_(True) for x in leaves[:5])
-    A_log, dt_bias = (x.clone().requires_grad_(True) for x in leaves[5:])
-    o, ht = cp_chunk_kda(q, k, v, z, b, cp_group=dist.group.WORLD, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
-                         chunk_size=16, output_final_state=True, g_min=-5.0, **OPTS)
-    grads = torch.autograd.grad((o, ht), [q, k, v, z, b, A_log, dt_bias], (do[:, sl], torch.ones_like(ht) / world_size))  # summed over ranks
-    return {"o": o.detach(), "ht": ht.detach(), "grads": grads}
+    out = []
+    for (g_min, neg), leaves, do in cases:
+        q, k, v, z, b = (x[:, sl].clone().requires_grad_(True) for x in leaves[:5])
+        A_log, dt_bias = (x.clone().requires_grad_(True) for x in leaves[5:])
+        o, ht = cp_chunk_kda(q, k, v, z, b, cp_group=dist.group.WORLD, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+                             chunk_size=16, output_final_state=True, g_min=g_min, allow_neg_eigval=neg, **OPTS)
+        grads = torch.autograd.grad((o, ht), [q, k, v, z, b, A_log, dt_bias],
+                                    (do[:, sl], torch.ones_like(ht) / world_size))  # summed over ranks
+        out.append({"o": o.detach(), "ht": ht.detach(), "grads": grads})
+    return out
 
 
 @pytest.mark.parametrize("lengths", [[30, 23], [17, 20, 16], [9, 15, 14, 15]], ids=["p2", "p3", "p4"])
 def test_cp_options_equal_unsharded(lengths):
+    """cp_chunk_kda with the options equals chunk_kda on the whole sequence, for each gate of
+    CP_GATES (bounded and softplus, with and without negative eigenvalues)."""
     T, H, K, V = sum(lengths), 2, 8, 4
     cu = [0, 5, 26, 27, T]  # sequences crossing rank boundaries
-    leaves = _raw(T, H, K, V, seed=len(lengths))
-    o, ht = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], cu_seqlens=cu, chunk_size=16,
-                      output_final_state=True, g_min=-5.0, **OPTS)
-    do = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(7))
-    want = torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
-    res = run_ranks(_cp_body, len(lengths), [x.detach() for x in leaves], lengths, cu, do)
-    torch.testing.assert_close(torch.cat([r["o"] for r in res], 1), o.detach(), rtol=1e-10, atol=1e-10)
-    for r in res:
-        torch.testing.assert_close(r["ht"], ht.detach(), rtol=1e-10, atol=1e-10)
-    for i, name in enumerate(["q", "k", "v", "g", "beta"]):
-        got = torch.cat([r["grads"][i] for r in res], 1)
-        torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
-    for i, name in ((5, "A_log"), (6, "dt_bias")):  # replicated parameters: the ranks' shares sum up
-        got = sum(r["grads"][i] for r in res)
-        torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+    cases, wants = [], []
+    for i, (g_min, neg) in enumerate(CP_GATES):
+        leaves = _raw(T, H, K, V, seed=len(lengths) + 10 * i)
+        o, ht = chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], cu_seqlens=cu, chunk_size=16,
+                          output_final_state=True, g_min=g_min, allow_neg_eigval=neg, **OPTS)
+        do = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(7 + i))
+        grads = torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+        cases.append(((g_min, neg), [x.detach() for x in leaves], do))
+        wants.append((o.detach(), ht.detach(), grads))
+    res = run_ranks(_cp_body, len(lengths), cases, lengths, cu)
+    for c, ((g_min, neg), _, _) in enumerate(cases):
+        tag = f"g_min={g_min}, allow_neg_eigval={neg}"
+        o, ht, want = wants[c]
+        rc = [r[c] for r in res]
+        torch.testing.assert_close(torch.cat([r["o"] for r in rc], 1), o, rtol=1e-10, atol=1e-10,
+                                   msg=lambda m: f"o ({tag}): {m}")
+        for r in rc:
+            torch.testing.assert_close(r["ht"], ht, rtol=1e-10, atol=1e-10, msg=lambda m: f"ht ({tag}): {m}")
+        for i, name in enumerate(["q", "k", "v", "g", "beta"]):
+            got = torch.cat([r["grads"][i] for r in rc], 1)
+            torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10,
+                                       msg=lambda m: f"grad of {name} ({tag}): {m}")
+        for i, name in ((5, "A_log"), (6, "dt_bias")):  # replicated parameters: the ranks' shares sum up
+            got = sum(r["grads"][i] for r in rc)
+            torch.testing.assert_close(got, want[i], rtol=1e-9, atol=1e-10,
+                                       msg=lambda m: f"grad of {name} ({tag}): {m}")
 
 
 def _disagree_rank(rank, world_size, case):

@@ -53,6 +53,37 @@ def test_unbounded_gates_stay_finite(g_low, C):
         assert_close(name, w, x, 1e-9)
 
 
+def test_unbounded_gates_packed_gva_neg_eigval():
+    """General gates (g_min=None) in a packed batch, with GVA (HV = 2H: value head j reads key head
+    j // 2) and beta in (0, 2) (allow_neg_eigval): steps below -20 and chunk cumsums below -1000
+    next to slow channels (g ~ -1e-3), per-sequence initial and final states, every gradient,
+    against the recurrence on the repeated key heads."""
+    H, HV, K, V, T = 2, 4, 8, 6, 171
+    cu = torch.tensor([0, 50, 51, 171])  # the last sequence spans two 64-token chunks and a part
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, _, beta, _ = make_inputs(1, T, HV, K, V, seed=22)
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    beta = 2 * beta
+    g = -40.0 * torch.rand(1, T, HV, K, generator=gen, dtype=torch.float64)
+    g[..., :2] = -1e-3 * (0.5 + torch.rand(1, T, HV, 2, generator=gen, dtype=torch.float64))
+    assert g.min() < -20 and g[0, 51:115].sum(0).min() < -1000 and beta.max() > 1
+    h0 = torch.randn(3, HV, K, V, generator=gen, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    qr, kr = (x.repeat_interleave(2, dim=2) for x in leaves[:2])
+    o_ref, s_ref = naive_recurrent_kda(qr, kr, *leaves[2:5], initial_state=leaves[5], output_final_state=True,
+                                       cu_seqlens=cu)
+    o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, g_min=None,
+                     allow_neg_eigval=True)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", s_ref, s, 1e-10)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(s.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((o_ref, s_ref), leaves, (do, ds))
+    got = torch.autograd.grad((o, s), leaves, (do, ds))
+    for name, w, x in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], want, got):
+        assert_close(name, w, x, 1e-10)
+
+
 def test_gradients_match_recurrence_fp64():
     B, T, H, K, V = 2, 90, 2, 8, 6
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, requires_grad=True, with_h0=True)

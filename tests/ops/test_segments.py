@@ -52,13 +52,29 @@ def test_segments_match_the_recurrence(B, T, cu, L):
         assert_close(name, w, x, 1e-10)
 
 
-def test_segments_on_the_chunk_grid_equal_the_unsplit_op():
+@pytest.mark.parametrize("g_min", [-5.0, None], ids=["bounded", "general"])
+def test_segments_on_the_chunk_grid_equal_the_unsplit_op(g_min):
     """Cuts on the chunk grid change only the order of fp arithmetic: the split equals the plain
-    chunked op to rounding."""
-    q, k, v, g, beta, _ = make_inputs(1, 200, 2, 8, 8, seed=5)
-    plain, _ = chunk_kda(q, k, v, g, beta, chunk_size=16)
-    split, _ = chunk_kda(q, k, v, g, beta, chunk_size=16, segment_len=64)
-    assert_close("o", plain, split, 1e-12)
+    chunked op to rounding, initial and final states and every gradient included; with the bounded
+    gate and with general gates (g_min=None: steps below -20 next to slow channels)."""
+    B, T, H, K, V = 1, 200, 2, 8, 8  # segments of 64, 64, 64 and 8 tokens
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V, seed=5 if g_min is not None else 6)
+    gen = torch.Generator().manual_seed(55 if g_min is not None else 66)
+    if g_min is None:
+        g = -40.0 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+        g[..., :2] = -1e-3 * (0.5 + torch.rand(B, T, H, 2, generator=gen, dtype=torch.float64))
+        assert g.min() < -20
+    h0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+
+    def op(L):
+        return lambda *a, **kw: chunk_kda(*a, **kw, chunk_size=16, segment_len=L, g_min=g_min)
+
+    plain = _run(op(None), q, k, v, g, beta, h0, do, dht, None)
+    split = _run(op(64), q, k, v, g, beta, h0, do, dht, None)
+    for name, a, b in zip(NAMES, plain, split):
+        assert_close(name, a, b, 1e-12)
 
 
 def test_plan_and_bad_segment_len():
