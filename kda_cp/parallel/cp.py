@@ -531,9 +531,13 @@ def cp_chunk_kda(
             cs_local = check_offsets(cu_seqlens)
             n_seq = len(cs_local) - 1
             cu_code = [len(cs_local), digest(cs_local)]
-            if initial_state is not None and initial_state.shape[0] != n_seq:
-                raise ValueError(f"initial_state must be [N, H, K, V] with N = {n_seq} sequences, "
-                                 f"got {list(initial_state.shape)}")
+            if initial_state is not None:
+                if not isinstance(initial_state, torch.Tensor):
+                    raise ValueError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+                want = [n_seq, v.shape[2], k.shape[-1], v.shape[-1]] if v.dim() == 4 and k.dim() == 4 else None
+                if initial_state.shape[0] != n_seq or (want is not None and list(initial_state.shape) != want):
+                    raise ValueError(f"initial_state must be [N, H, K, V] = {want or [n_seq, 'H', 'K', 'V']} "
+                                     f"with N = {n_seq} sequences (cu_seqlens), got {list(initial_state.shape)}")
             check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False,
                          allow_neg_eigval=allow_neg_eigval)
             if initial_state is not None:  # shape and device (as for one sequence), then values
@@ -658,8 +662,9 @@ def cp_chunk_kda_in_one_process(
     pairs. For checking the CP path of the GPU kernels on one device, and for benchmarks.
 
     Args:
-        q, k, v, g, beta: the GLOBAL tensors ([B, T, H, *]); shards are cut by ``lengths`` (default
-            the even split of :func:`kda_cp.parallel.shard_bounds`).
+        q, k, v, g, beta: the GLOBAL tensors ([B, T, H, *]; with GVA v, g and beta have HV heads, a
+            multiple of q and k's H); shards are cut by ``lengths`` (default the even split of
+            :func:`kda_cp.parallel.shard_bounds`).
         cu_seqlens, initial_state, output_final_state, scale, chunk_size, backend, g_min,
             allow_neg_eigval: as in :func:`cp_chunk_kda`.
         do: gradient of o, [B, T, H, V] like v; when given, the backward runs.
@@ -678,6 +683,8 @@ def cp_chunk_kda_in_one_process(
 
     check_flags(output_final_state=output_final_state)
     cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
+    H_qk = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    q, k = expand_value_heads(q, k, v)  # GVA: q, k to v's HV heads; dq, dk summed back below
     check_inputs(q, k, v, g, beta, initial_state, cu, chunk_size, True, g_min, allow_neg_eigval=allow_neg_eigval)
     check_scale(scale)
     if scan_method not in ("sequential", "log_depth"):
@@ -757,4 +764,6 @@ def cp_chunk_kda_in_one_process(
     if dh0 is not None and keep is not None:
         dh0 = _with_rows(dfin_all if dfin_all is not None else dh0.new_zeros(n_states, *dh0.shape[1:]), keep, dh0)
     cat = [torch.cat([getattr(gr, name) for gr in grads], dim=1) for name in ("dq", "dk", "dv", "dg", "dbeta")]
+    if H_qk != H:  # GVA: each key head's gradient sums over the value heads of its group
+        cat[:2] = [d.unflatten(2, (H_qk, H // H_qk)).sum(3) for d in cat[:2]]
     return o, final, (*cat, dh0)

@@ -109,3 +109,28 @@ def test_packed_row_sends_the_summary_buffer_as_it_is():
         row = _packed_row(AffineMap(M, S))
         assert row.is_contiguous() and torch.equal(row, torch.cat([S, M], dim=-1))
         assert row.untyped_storage().data_ptr() != S.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_one_process_cp_with_gva_equals_recurrence(groups):
+    """GVA: v, g, beta and the states with HV = groups * H heads; dq and dk sum over each group."""
+    B, T, H, K, V = 1, 150, 2, 8, 6
+    HV = groups * H
+    q, k, _, _, _, _ = make_inputs(B, T, H, K, V, seed=40 + groups)
+    _, _, v, g, beta, _ = make_inputs(B, T, HV, K, V, seed=50 + groups)
+    cu = [0, 37, 101, 150]
+    h0 = torch.randn(3, HV, K, V, dtype=torch.float64)
+    do = torch.randn(B, T, HV, V, dtype=torch.float64)
+    dfinal = torch.randn(3, HV, K, V, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    qx, kx = (x.repeat_interleave(groups, dim=2) for x in leaves[:2])  # value head j reads key head j // groups
+    o_ref, ht_ref = naive_recurrent_kda(qx, kx, *leaves[2:5], initial_state=leaves[5], output_final_state=True,
+                                        cu_seqlens=torch.tensor(cu))
+    ((o_ref * do).sum() + (ht_ref * dfinal).sum()).backward()
+    o, ht, grads = cp_chunk_kda_in_one_process(q, k, v, g, beta, world_size=3, lengths=[60, 1, 89], cu_seqlens=cu,
+                                               initial_state=h0, output_final_state=True, do=do, dfinal=dfinal)
+    assert_close("o", o_ref, o, 1e-10)
+    assert_close("final_state", ht_ref, ht, 1e-10)
+    for name, leaf, got in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, grads):
+        assert got.shape == leaf.shape, name
+        assert_close(name, leaf.grad, got, 1e-10)

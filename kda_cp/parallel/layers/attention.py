@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kda_cp.ops import check_cu_seqlens
 from kda_cp.parallel.exchange import group_rank_and_size
 from kda_cp.parallel.sharding import shard_lengths
 
@@ -121,28 +122,34 @@ def cp_attention(
         scale: softmax scale; None means D ** -0.5.
         lengths: every rank's shard length, when the caller has agreed them over the group
             (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
-        cu_seqlens: GLOBAL offsets of packed sequences as a host list (B = 1, checked by the
-            caller, ending at the whole length): each query attends to the keys of its own
-            sequence only, one SDPA call per sequence piece of this shard.
+        cu_seqlens: GLOBAL offsets of packed sequences as a host list or 1-D integer tensor
+            (B = 1, from 0, non-decreasing, ending at the whole length): each query attends to
+            the keys of its own sequence only, one SDPA call per sequence piece of this shard.
 
     Returns:
         o: [B, T_r, H, D]; equal, forward and backward, to the rows of the unsharded attention.
 
     Raises:
-        ValueError: q, k, v are not [B, T, H, D] / [B, T, H, Dv] alike.
+        ValueError: q, k, v are not [B, T, H, D] / [B, T, H, Dv] alike; cu_seqlens with B > 1 or
+            offsets that are malformed or do not end at the whole length.
     """
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"cp_attention: q, k must be [B, T, H, D] and v [B, T, H, Dv] alike, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cp_attention: packed sequences (cu_seqlens) need B = 1, got B = {q.shape[0]}")
     if group_rank_and_size(cp_group)[1] == 1:
         if cu_seqlens is None:
             return causal_attention(q, k, v, 0, scale)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, q.shape[1])
         start, k_all, v_all = 0, k, v
     else:
         if lengths is None:
             lengths = shard_lengths(q, cp_group)
+        if cu_seqlens is not None:  # the same offsets and lengths on every rank: all raise alike
+            cu_seqlens = check_cu_seqlens(cu_seqlens, sum(lengths))
         start = sum(lengths[: dist.get_rank(cp_group)])
         end = start + q.shape[1]
         k_all = all_gather_sequence(k, cp_group, lengths)[:, :end]
