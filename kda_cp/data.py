@@ -87,7 +87,10 @@ def stdlib_files(pattern: str = "*.py") -> list[Path]:
 
 def _files(path: str | None, pattern: str) -> list[Path]:
     if path is None:
-        return stdlib_files(pattern)
+        files = stdlib_files(pattern)
+        if not files:
+            raise ValueError(f"data.pattern={pattern!r}: no file of the standard library ({sysconfig.get_paths()['stdlib']}) matches it")
+        return files
     p = Path(path).expanduser()
     if p.is_file():
         return [p]

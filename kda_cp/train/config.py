@@ -28,6 +28,9 @@ __all__ = [
 ]
 
 
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
 @dataclass
 class ParallelConfig:
     """How the torchrun world is split: cp ranks per sequence, the rest data-parallel."""
@@ -61,6 +64,12 @@ class ParallelConfig:
                              f"{self.threads_per_rank}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.backend is not None:
+            # torch.distributed's names, or its per-device form "cpu:gloo,cuda:nccl"
+            parts = [p.split(":")[-1] for p in str(self.backend).split(",")]
+            if not all(p in DIST_BACKENDS for p in parts):
+                raise ValueError(f"parallel.backend must be null (nccl with CUDA, else gloo), one of {DIST_BACKENDS} "
+                                 f"or a per-device list such as 'cpu:gloo,cuda:nccl', got {self.backend!r}")
         if self.strategy not in CP_STRATEGIES:
             raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
         if self.ulysses_impl not in ULYSSES_IMPLS:

@@ -37,6 +37,8 @@ def test_path_file_and_folder(tmp_path):
         load_corpus(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="pattern"):
         load_corpus(str(tmp_path), pattern="*.py")
+    with pytest.raises(ValueError, match=r"data.pattern='\*.nothing': no file of the standard library"):
+        load_corpus(pattern="*.nothing")
 
 
 def test_split_disjoint_and_covering():

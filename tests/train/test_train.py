@@ -62,6 +62,8 @@ def test_bad_train_config(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="parallel.device=cuda, but"):
             train(_cfg(TINY + ["parallel.cp=1", "parallel.device=cuda"]))
+    with pytest.raises(ValueError, match="parallel.backend=nccl needs CUDA tensors"):
+        train(_cfg(TINY + ["parallel.cp=1", "parallel.device=cpu", "parallel.backend=nccl"]))
     (tmp_path / "a_file").write_text("notes")
     with pytest.raises(ValueError, match="trainer.run_dir must be a directory"):
         train(_cfg(TINY + ["parallel.cp=1", f"trainer.run_dir={tmp_path / 'a_file'}"]))
@@ -181,6 +183,7 @@ def test_parallel_layouts_give_the_same_loss(tmp_path, nproc, cp):
         ("model.mlp_hidden=0", "ModelConfig.mlp_hidden"),
         ("model.init_std=-1", "ModelConfig.init_std"),
         ("parallel.device=tpu", "parallel.device"),
+        ("parallel.backend=foo", "parallel.backend must be null"),
         ("parallel.timeout_s=0", "parallel.timeout_s must be > 0"),
         ("parallel.timeout_s=-30", "parallel.timeout_s must be > 0"),
         ("model.layer_pattern=KKKA", "does not fit model.n_layers=3"),
