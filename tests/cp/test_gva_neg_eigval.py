@@ -5,6 +5,8 @@ with the bounded gate and with general gates (g_min=None)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,15 +61,26 @@ def test_chunk_kda_matches_the_recurrence(groups, neg_eigval):
         assert_close(name, r, x.detach(), TOL)
 
 
-def _rank_fn(rank, world, inputs, lengths, cu, neg_eigval):
+def _rank_fn(rank, world, inputs, lengths, cu, neg_eigval, **opts):
     q, k, v, g, beta, h0, do, dfinal = inputs
     local = [split_sequence(x, world, 1, lengths)[rank].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
     h = h0.clone().requires_grad_(True)
     o, final = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h, output_final_state=True,
-                            cu_seqlens=torch.tensor(cu), chunk_size=16, allow_neg_eigval=neg_eigval)
+                            cu_seqlens=torch.tensor(cu), allow_neg_eigval=neg_eigval, **opts)
     do_local = split_sequence(do, world, 1, lengths)[rank]
     ((o * do_local).sum() + (final * dfinal).sum() / world).backward()
     return [o.detach(), final.detach()] + [x.grad for x in local] + [h.grad]
+
+
+def _check_ranks(ref, res, finite=False):
+    """The ranks' rows against the single-device reference; final states and dh0 replicated."""
+    got = [torch.cat([r[0] for r in res], 1), res[0][1]]
+    got += [torch.cat([r[i] for r in res], 1) for i in range(2, 7)] + [res[0][7]]
+    for r in res[1:]:
+        assert torch.equal(r[1], res[0][1]) and torch.equal(r[7], res[0][7])
+    for name, r, x in zip(NAMES, ref, got):
+        assert not finite or torch.isfinite(x).all(), name
+        assert_close(name, r, x, TOL)
 
 
 @pytest.mark.parametrize("lengths,cu,groups,neg_eigval", [
@@ -78,13 +91,7 @@ def _rank_fn(rank, world, inputs, lengths, cu, neg_eigval):
 def test_cp_matches_single_device(lengths, cu, groups, neg_eigval):
     inputs = _inputs(sum(lengths), 2, groups, len(cu) - 1, neg_eigval, seed=len(lengths))
     ref = _reference(*inputs, cu)
-    res = run_ranks(_rank_fn, len(lengths), inputs, lengths, cu, neg_eigval)
-    got = [torch.cat([r[0] for r in res], 1), res[0][1]]
-    got += [torch.cat([r[i] for r in res], 1) for i in range(2, 7)] + [res[0][7]]
-    for r in res[1:]:  # the final states and the initial state's gradient are replicated
-        assert torch.equal(r[1], res[0][1]) and torch.equal(r[7], res[0][7])
-    for name, r, x in zip(NAMES, ref, got):
-        assert_close(name, r, x, TOL)
+    _check_ranks(ref, run_ranks(partial(_rank_fn, chunk_size=16), len(lengths), inputs, lengths, cu, neg_eigval))
 
 
 def _general_gates(T, HV, K, seed):
@@ -95,17 +102,6 @@ def _general_gates(T, HV, K, seed):
     g = -40.0 * torch.rand(1, T, HV, K, generator=gen, dtype=torch.float64)
     g[..., :2] = -1e-3 * (0.5 + torch.rand(1, T, HV, 2, generator=gen, dtype=torch.float64))
     return g
-
-
-def _general_rank_fn(rank, world, inputs, lengths, cu, neg_eigval):
-    q, k, v, g, beta, h0, do, dfinal = inputs
-    local = [split_sequence(x, world, 1, lengths)[rank].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    h = h0.clone().requires_grad_(True)
-    o, final = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h, output_final_state=True,
-                            cu_seqlens=torch.tensor(cu), g_min=None, allow_neg_eigval=neg_eigval)
-    do_local = split_sequence(do, world, 1, lengths)[rank]
-    ((o * do_local).sum() + (final * dfinal).sum() / world).backward()
-    return [o.detach(), final.detach()] + [x.grad for x in local] + [h.grad]
 
 
 @pytest.mark.parametrize("lengths,cu,groups,neg_eigval", [
@@ -123,14 +119,8 @@ def test_cp_general_gates_match_the_recurrence(lengths, cu, groups, neg_eigval):
     assert g.min() < -20 and g[0, :64].sum(0).min() < -1000 and g[..., :2].min() > -2e-3
     inputs = (q, k, v, g, beta, h0, do, dfinal)
     ref = _reference(*inputs, cu)
-    res = run_ranks(_general_rank_fn, len(lengths), inputs, lengths, cu, neg_eigval)
-    got = [torch.cat([r[0] for r in res], 1), res[0][1]]
-    got += [torch.cat([r[i] for r in res], 1) for i in range(2, 7)] + [res[0][7]]
-    for r in res[1:]:  # the final states and the initial state's gradient are replicated
-        assert torch.equal(r[1], res[0][1]) and torch.equal(r[7], res[0][7])
-    for name, r, x in zip(NAMES, ref, got):
-        assert torch.isfinite(r).all(), name
-        assert_close(name, r, x, TOL)
+    _check_ranks(ref, run_ranks(partial(_rank_fn, g_min=None), len(lengths), inputs, lengths, cu, neg_eigval),
+                 finite=True)
 
 
 def test_bad_gva_and_beta_raise():
