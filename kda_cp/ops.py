@@ -802,7 +802,7 @@ def chunk_kda(
             16-token sub-chunk. None declares no bound (any g <= 0; the kernels' general-gate variants).
         use_qk_l2norm_in_kernel: L2-normalize q and k per head first (x / max(||x||, 1e-6));
             flash-linear-attention's x * rsqrt(sum x^2 + 1e-6) differs by ~5e-7 / ||x||^2 relative:
-            below bf16's resolution for ||x|| >~ 1e-2, O(1) at ~1e-3 and below (docs/design.md §9).
+            about bf16's resolution at ||x|| = 1e-2, below it from ~3e-2 up, O(1) at ~1e-3 and below (docs/design.md §9).
         use_gate_in_kernel: g is the gate's pre-activation [B, T, H, K]; the op applies
             g_min * sigmoid(exp(A_log) * (g + dt_bias)), or -exp(A_log) * softplus(g + dt_bias)
             when g_min is None. g_min must then be passed explicitly

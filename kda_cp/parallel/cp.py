@@ -536,7 +536,7 @@ def cp_chunk_kda(
                     raise ValueError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
                 want = [n_seq, v.shape[2], k.shape[-1], v.shape[-1]] if v.dim() == 4 and k.dim() == 4 else None
                 if initial_state.shape[0] != n_seq or (want is not None and list(initial_state.shape) != want):
-                    raise ValueError(f"initial_state must be [N, H, K, V] = {want or [n_seq, 'H', 'K', 'V']} "
+                    raise ValueError(f"initial_state must be [N, HV, K, V] = {want or [n_seq, 'HV', 'K', 'V']} "
                                      f"with N = {n_seq} sequences (cu_seqlens), got {list(initial_state.shape)}")
             check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False,
                          allow_neg_eigval=allow_neg_eigval)

@@ -66,8 +66,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.backend is not None:
             # torch.distributed's names, or its per-device form "cpu:gloo,cuda:nccl"
-            parts = [p.split(":")[-1] for p in str(self.backend).split(",")]
-            if not all(p in DIST_BACKENDS for p in parts):
+            parts = [p.split(":") for p in str(self.backend).split(",")]
+            if not all(p[-1] in DIST_BACKENDS and (len(p) == 1 and len(parts) == 1 or len(p) == 2
+                                                   and p[0] in ("cpu", "cuda")) for p in parts) \
+                    or ["cpu", "nccl"] in parts:
                 raise ValueError(f"parallel.backend must be null (nccl with CUDA, else gloo), one of {DIST_BACKENDS} "
                                  f"or a per-device list such as 'cpu:gloo,cuda:nccl', got {self.backend!r}")
         if self.strategy not in CP_STRATEGIES:

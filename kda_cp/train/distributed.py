@@ -192,9 +192,10 @@ def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
         raise ValueError("parallel.device=cuda, but this torch build or machine has no CUDA device "
                          "(parallel.device=auto picks the CPU here)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.backend == "nccl" and not use_cuda:
-        raise ValueError(f"parallel.backend=nccl needs CUDA tensors, but the ranks run on the CPU here "
-                         f"(parallel.device={cfg.device}): use parallel.backend=gloo, or null")
+    if cfg.backend is not None and not use_cuda and not any(
+            b.split(":")[-1] != "nccl" for b in cfg.backend.split(",") if b.split(":")[0] in ("cpu", b)):
+        raise ValueError(f"parallel.backend={cfg.backend} needs CUDA tensors (nccl), but the ranks run on the CPU "
+                         f"here (parallel.device={cfg.device}): use parallel.backend=gloo, or null")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))

@@ -136,14 +136,15 @@ def test_bad_cu_seqlens_raise_on_every_rank(case, pattern):
         assert re.search(pattern, msg), f"rank {rank}: {msg!r}"
 
 
-@pytest.mark.parametrize("h0,pattern", [(lambda HV: torch.randn(3, 1, 16, 16), r"= \[3, 4, 16, 16\] with N = 3 sequences"),
-                                        (lambda HV: torch.randn(2, HV, 16, 16), r"= \[3, 4, 16, 16\] with N = 3 sequences"),
+@pytest.mark.parametrize("h0,pattern", [(lambda HV: torch.randn(3, 1, 16, 12), r"= \[3, 4, 16, 12\] with N = 3 sequences"),
+                                        (lambda HV: torch.randn(2, HV, 16, 12), r"= \[3, 4, 16, 12\] with N = 3 sequences"),
+                                        (lambda HV: torch.randn(3, HV, 12, 16), r"= \[3, 4, 16, 12\] with N = 3 sequences"),
                                         (lambda HV: [1.0, 2.0], "initial_state must be a torch.Tensor, got list")],
-                         ids=["heads", "sequences", "not-a-tensor"])
+                         ids=["heads", "sequences", "k-v-swapped", "not-a-tensor"])
 def test_packed_initial_state_error_names_the_shape_expected(h0, pattern):
     """With cu_seqlens the states are [N sequences, HV, K, V] (GVA: v's heads), and the error says so."""
-    T, H, HV, K = 80, 2, 4, 16
+    T, H, HV, K, V = 80, 2, 4, 16, 12
     q, k = torch.randn(1, T, H, K), torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1)
-    v, g, beta = torch.randn(1, T, HV, K), -torch.rand(1, T, HV, K), torch.rand(1, T, HV)
+    v, g, beta = torch.randn(1, T, HV, V), -torch.rand(1, T, HV, K), torch.rand(1, T, HV)
     with pytest.raises(ValueError, match=pattern):
         cp_chunk_kda(q, k, v, g, beta, cp_group=None, cu_seqlens=[0, 30, 30, 80], initial_state=h0(HV))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kda_cp.glue import l2_norm
 from kda_cp.interop import export_kda_state_dict, import_kda_state_dict
 from kda_cp.layers import KDAConfig, KDALayer
 from kda_cp.reference import naive_recurrent_kda
@@ -143,12 +144,12 @@ def test_fla_l2norm_differs_by_eps_over_twice_the_squared_norm(norm):
     gen = torch.Generator().manual_seed(int(-math.log10(norm)) + 5)
     x = torch.randn(64, K, dtype=torch.float64, generator=gen)
     x = x / x.norm(dim=-1, keepdim=True) * norm * (1 + 0.1 * torch.rand(64, 1, dtype=torch.float64, generator=gen))
-    ours, fla = _l2_kda_cp(x, eps), _l2_fla(x, eps)
+    ours, fla = l2_norm(x, eps), _l2_fla(x, eps)  # kda_cp's own L2 norm
     rel = ((ours - fla).norm(dim=-1) / ours.norm(dim=-1))
     r2 = x.pow(2).sum(-1)
-    torch.testing.assert_close(rel, eps / (2 * r2), rtol=1e-3 + 2 * eps / norm ** 2, atol=0)
+    torch.testing.assert_close(rel, 1 - (1 + eps / r2).rsqrt(), rtol=1e-6, atol=1e-14)  # the exact factor, to fp64 rounding
     tiny = 1e-4 * x / norm  # rows of norm ~1e-4: kda_cp still gives unit rows, fla's shrink by ~10x
-    assert (_l2_kda_cp(tiny, eps).norm(dim=-1) - 1).abs().max() < 1e-12
+    assert (l2_norm(tiny, eps).norm(dim=-1) - 1).abs().max() < 1e-12
     assert _l2_fla(tiny, eps).norm(dim=-1).max() < 0.2
 
 

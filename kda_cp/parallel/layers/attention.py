@@ -123,8 +123,10 @@ def cp_attention(
         lengths: every rank's shard length, when the caller has agreed them over the group
             (:class:`kda_cp.layers.AttentionLayer`); None exchanges them here.
         cu_seqlens: GLOBAL offsets of packed sequences as a host list or 1-D integer tensor
-            (B = 1, from 0, non-decreasing, ending at the whole length): each query attends to
-            the keys of its own sequence only, one SDPA call per sequence piece of this shard.
+            (B = 1, from 0, non-decreasing, ending at the whole length), the same on every rank
+            (AttentionLayer agrees them over the group; offsets that differ between ranks are not
+            detected here): each query attends to the keys of its own sequence only, one SDPA
+            call per sequence piece of this shard.
 
     Returns:
         o: [B, T_r, H, D]; equal, forward and backward, to the rows of the unsharded attention.
