@@ -531,16 +531,15 @@ def cp_chunk_kda(
             cs_local = check_offsets(cu_seqlens)
             n_seq = len(cs_local) - 1
             cu_code = [len(cs_local), digest(cs_local)]
-            if initial_state is not None:
-                if not isinstance(initial_state, torch.Tensor):
-                    raise ValueError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-                want = [n_seq, v.shape[2], k.shape[-1], v.shape[-1]] if v.dim() == 4 and k.dim() == 4 else None
-                if initial_state.shape[0] != n_seq or (want is not None and list(initial_state.shape) != want):
-                    raise ValueError(f"initial_state must be [N, HV, K, V] = {want or [n_seq, 'HV', 'K', 'V']} "
-                                     f"with N = {n_seq} sequences (cu_seqlens), got {list(initial_state.shape)}")
             check_inputs(q, k, v, g, beta, None, None, chunk_size, check_gate, g_min, layout_warning=False,
                          allow_neg_eigval=allow_neg_eigval)
-            if initial_state is not None:  # shape and device (as for one sequence), then values
+            if initial_state is not None:  # [N sequences, HV, K, V], then dtype and device (as for one), then values
+                if not isinstance(initial_state, torch.Tensor):
+                    raise ValueError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+                want = [n_seq, v.shape[2], k.shape[3], v.shape[3]]
+                if list(initial_state.shape) != want:
+                    raise ValueError(f"initial_state must be [N, HV, K, V] = {want} with N = {n_seq} sequences "
+                                     f"(cu_seqlens), got {list(initial_state.shape)}")
                 check_inputs(q, k, v, g, beta, initial_state[:1], None, chunk_size, False, g_min,
                              layout_warning=False)
                 if check_gate and initial_state.numel() and not bool(torch.isfinite(initial_state).all()):

@@ -31,6 +31,22 @@ __all__ = [
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
+def _backend_spec_ok(spec: str) -> bool:
+    """A torch.distributed backend name, or its per-device form "cpu:gloo,cuda:nccl" (nccl not for cpu)."""
+    if spec in DIST_BACKENDS:
+        return True
+    pairs = [p.split(":") for p in spec.split(",")]
+    return all(len(p) == 2 and p[0] in ("cpu", "cuda") and p[1] in DIST_BACKENDS for p in pairs) \
+        and ["cpu", "nccl"] not in pairs
+
+
+def cpu_backend(spec: str) -> str | None:
+    """The backend a valid spec gives CPU tensors: the name itself, the "cpu:" entry, or None."""
+    if ":" not in spec:
+        return spec
+    return next((p.split(":")[1] for p in spec.split(",") if p.startswith("cpu:")), None)
+
+
 @dataclass
 class ParallelConfig:
     """How the torchrun world is split: cp ranks per sequence, the rest data-parallel."""
@@ -64,14 +80,9 @@ class ParallelConfig:
                              f"{self.threads_per_rank}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"parallel.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.backend is not None:
-            # torch.distributed's names, or its per-device form "cpu:gloo,cuda:nccl"
-            parts = [p.split(":") for p in str(self.backend).split(",")]
-            if not all(p[-1] in DIST_BACKENDS and (len(p) == 1 and len(parts) == 1 or len(p) == 2
-                                                   and p[0] in ("cpu", "cuda")) for p in parts) \
-                    or ["cpu", "nccl"] in parts:
-                raise ValueError(f"parallel.backend must be null (nccl with CUDA, else gloo), one of {DIST_BACKENDS} "
-                                 f"or a per-device list such as 'cpu:gloo,cuda:nccl', got {self.backend!r}")
+        if self.backend is not None and not _backend_spec_ok(str(self.backend)):
+            raise ValueError(f"parallel.backend must be null (nccl with CUDA, else gloo), one of {DIST_BACKENDS} "
+                             f"or a per-device list such as 'cpu:gloo,cuda:nccl', got {self.backend!r}")
         if self.strategy not in CP_STRATEGIES:
             raise ValueError(f"parallel.strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
         if self.ulysses_impl not in ULYSSES_IMPLS:

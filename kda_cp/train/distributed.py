@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kda_cp.train.config import ParallelConfig
+from kda_cp.train.config import ParallelConfig, cpu_backend
 
 __all__ = ["ParallelDims", "Layout", "build_layout", "init_distributed", "broadcast_object", "agree"]
 
@@ -192,8 +192,7 @@ def init_distributed(cfg: ParallelConfig, need_group: bool = False) -> Layout:
         raise ValueError("parallel.device=cuda, but this torch build or machine has no CUDA device "
                          "(parallel.device=auto picks the CPU here)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.backend is not None and not use_cuda and not any(
-            b.split(":")[-1] != "nccl" for b in cfg.backend.split(",") if b.split(":")[0] in ("cpu", b)):
+    if cfg.backend is not None and not use_cuda and cpu_backend(cfg.backend) in (None, "nccl"):
         raise ValueError(f"parallel.backend={cfg.backend} needs CUDA tensors (nccl), but the ranks run on the CPU "
                          f"here (parallel.device={cfg.device}): use parallel.backend=gloo, or null")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
