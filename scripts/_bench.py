@@ -159,6 +159,27 @@ def trace_gaps(ev):
                 top_gaps=sorted(gaps, reverse=True)[:12], host_calls=calls)
 
 
+def run_meta(script, with_fla=True):
+    """What a benchmark ran on: device, versions (tilelang and fla when installed; fla's KDA
+    kernels), date and the command line of ``script`` (scripts/NAME.py)."""
+    import datetime
+    import importlib.util
+    import platform
+    import shlex
+    import sys
+
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(),
+            "command": shlex.join(["python", f"scripts/{script}", *sys.argv[1:]])}
+    for pkg in ("tilelang", "fla") if with_fla else ("tilelang",):
+        if importlib.util.find_spec(pkg) is not None:
+            meta[pkg] = getattr(__import__(pkg), "__version__", "?")
+    if "fla" in meta:
+        meta["fla_kernels"] = peer_backends()
+    return meta
+
+
 def peer_backends():
     """Whether flash-linear-attention's TileLang KDA backend is enabled: "triton+tilelang" (its
     backward then runs chunk_kda_bwd_wy_dqkg_fused in TileLang where fla's per-call checks allow),

@@ -16,11 +16,8 @@ Without flash-linear-attention the fla run is skipped with a message.
 """
 
 import argparse
-import datetime
 import importlib.util
 import json
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,24 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-
-
-def run_meta():
-    """What the numbers ran on: device, versions, date and the command line."""
-    import torch
-
-    from _bench import peer_backends
-
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.date.today().isoformat(),
-            "command": shlex.join(["python", "scripts/bench_hybrid.py", *sys.argv[1:]])}
-    for pkg in ("tilelang", "fla"):
-        if importlib.util.find_spec(pkg) is not None:
-            meta[pkg] = getattr(__import__(pkg), "__version__", "?")
-    if "fla" in meta:
-        meta["fla_kernels"] = peer_backends()
-    return meta
 
 
 def run_one(impl, steps, workdir, extra):
@@ -80,7 +59,9 @@ def main():
     if not impls:
         raise SystemExit("nothing to run: --impls named only fla, which is not installed")
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_hybrid-")
-    meta, rows = run_meta(), {}
+    from _bench import run_meta
+
+    meta, rows = run_meta("bench_hybrid.py"), {}
 
     def write():
         with open(args.out, "w") as f:

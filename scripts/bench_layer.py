@@ -38,12 +38,11 @@ Prints a markdown table, writes JSON to --out.
 import argparse
 import json
 import os
-import platform
 import time
 
 import torch
 
-from _bench import idle_gaps, peer_backends, stream_ms, time_ms
+from _bench import idle_gaps, run_meta, stream_ms, time_ms
 from bench_backward import kernel_table, peak_above_base, print_table, rel
 
 from kda_cp.interop import import_kda_state_dict
@@ -213,13 +212,8 @@ def main():
     if with_fla and not torch.cuda.is_available():
         print("no CUDA device: timing kda_cp alone (the peer needs a GPU)")
         with_fla = False
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    meta = {**run_meta("bench_layer.py", with_fla), "repeats": args.repeats}
     if with_fla:
-        import fla
-
-        meta["fla"] = getattr(fla, "__version__", "?")
-        meta["fla_kernels"] = peer_backends()
         print(f"flash-linear-attention {meta['fla']}, KDA kernels: {meta['fla_kernels']}")
     rows = []
     for name in args.shapes:
