@@ -26,13 +26,17 @@ def digest(values) -> int:
 
 def tensor_digest(x: torch.Tensor | None) -> int:
     """A 62-bit BLAKE2b digest of a tensor's shape, dtype and bytes (0 for None), for ranks to check
-    that a replicated tensor (e.g. initial_state) is the same everywhere. Copies it to the CPU."""
+    that a replicated tensor (e.g. initial_state) is the same everywhere. Copies it to the CPU.
+    Floating values are hashed after ``+ 0``, so -0.0 and +0.0 (equal values) give one digest."""
     if x is None:
         return 0
     h = hashlib.blake2b(digest_size=8)
     h.update(repr((tuple(x.shape), str(x.dtype))).encode())
     if x.numel():
-        h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        x = x.detach()
+        if x.is_floating_point():
+            x = x + 0  # -0.0 + 0 is +0.0 in IEEE arithmetic
+        h.update(x.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return int.from_bytes(h.digest(), "little") >> 2
 
 

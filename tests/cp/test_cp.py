@@ -195,6 +195,21 @@ def test_ranks_that_disagree_on_options_raise_instead_of_hanging(case):
         assert case.split("-")[0] in msg.split("[")[1], f"rank {rank}: {msg!r} does not name {case}"
 
 
+def _signed_zero_rank(rank, world):
+    # initial_state equal on both ranks, with -0.0 on rank 1 where rank 0 holds +0.0
+    leaves = make_inputs(1, 48, 2, 8, 4, seed=5)[:5]
+    h0 = torch.randn(1, 2, 8, 4, dtype=leaves[0].dtype, generator=torch.Generator().manual_seed(4))
+    h0[0, 0, :3] = -0.0 if rank else 0.0
+    local = [split_sequence(x, world, 1)[rank] for x in leaves]
+    _, final = cp_chunk_kda(*local, cp_group=dist.group.WORLD, initial_state=h0, output_final_state=True)
+    return final
+
+
+def test_initial_states_equal_up_to_the_sign_of_zero_agree():
+    finals = run_ranks(_signed_zero_rank, 2, timeout=90)
+    assert torch.equal(finals[0], finals[1])
+
+
 def _double_backward_rank(rank, world):
     q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 4, with_h0=True, requires_grad=True, seed=0)
     local = [split_sequence(x, world, 1)[rank] for x in (q, k, v, g, beta)]
