@@ -425,9 +425,7 @@ class AttentionLayer(nn.Module):
         check_layer_input(x, c.d_model, self.qkv_proj.weight.dtype)
         if cu_seqlens is None:
             return None
-        if x.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got x {list(x.shape)}")
-        return check_cu_seqlens(cu_seqlens)
+        return check_cu_seqlens(cu_seqlens, batch=x.shape[0])
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         c = self.config

@@ -52,7 +52,8 @@ def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor) -> None:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
 
 
-def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True) -> list[int]:
+def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True,
+                     batch: int | None = None) -> list[int]:
     """Packed-sequence offsets (FlashAttention convention) as a list of ints, after checking them.
 
     Args:
@@ -60,11 +61,14 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
             the N sequence lengths.
         total: the packed length they must end at (T), or None to skip that check.
         allow_empty: accept zero-length sequences (equal neighbours); CP needs them excluded.
+        batch: the input's batch size B, which packed sequences need to be 1 (None: not checked).
 
     Raises:
-        ValueError: not 1-D integers, fewer than 2 entries, not starting at 0, decreasing (or, with
+        ValueError: ``batch`` not 1, not 1-D integers, fewer than 2 entries, not starting at 0, decreasing (or, with
             allow_empty=False, not strictly increasing), or not ending at ``total``.
     """
+    if batch is not None and batch != 1:
+        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {batch}")
     if isinstance(cu_seqlens, torch.Tensor):
         check_cu_seqlens_tensor(cu_seqlens)
         from kda_cp.kernels._common import host_offsets  # no device read for kda_cp's own offsets
@@ -192,9 +196,7 @@ def check_inputs(
         raise ValueError(f"q and k need a head dim K >= 1, got q {_shape(q)}")
     n_states = B
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
-        n_states = len(check_cu_seqlens(cu_seqlens, T)) - 1
+        n_states = len(check_cu_seqlens(cu_seqlens, T, batch=B)) - 1
     if initial_state is not None:
         V = v.shape[-1]
         want = [n_states, H, K, V]

@@ -63,7 +63,7 @@ def test_bad_input():
         causal_conv1d(x, torch.randn(5, 4), torch.randn(3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         causal_conv1d(x[:1], torch.randn(5, 4), cu_seqlens=torch.tensor([0, 3, 7]))
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match=r"cu_seqlens needs B == 1 \(sequences packed along T\), got B = 2"):
         causal_conv1d(x, torch.randn(5, 4), cu_seqlens=torch.tensor([0, 3, 8]))
 
 

@@ -220,7 +220,7 @@ def test_packed_sequences_with_ulysses_are_not_implemented_on_every_rank():
 
 @pytest.mark.parametrize("cu,B,what", [([0, 3, 9], 1, "end at the packed length T = 10"),
                                        ([2, 5, 10], 1, "start at 0"), ([0, 7, 3, 10], 1, "not decrease"),
-                                       ([0, 3, 10], 2, "need B = 1")])
+                                       ([0, 3, 10], 2, "needs B == 1")])
 def test_cp_attention_bad_offsets_name_what_was_expected(cu, B, what):
     q = torch.randn(B, 10, 2, 4)
     with pytest.raises(ValueError, match=what):

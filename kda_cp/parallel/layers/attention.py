@@ -140,8 +140,8 @@ def cp_attention(
             f"cp_attention: q, k must be [B, T, H, D] and v [B, T, H, Dv] alike, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if cu_seqlens is not None and q.shape[0] != 1:
-        raise ValueError(f"cp_attention: packed sequences (cu_seqlens) need B = 1, got B = {q.shape[0]}")
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0])  # its form; the length is checked below
     if group_rank_and_size(cp_group)[1] == 1:
         if cu_seqlens is None:
             return causal_attention(q, k, v, 0, scale)

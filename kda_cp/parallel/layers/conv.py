@@ -140,9 +140,7 @@ def _conv_varlen(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _check_cu_seqlens(cu_seqlens, x: torch.Tensor, total: int) -> torch.Tensor:
-    if x.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens, x must be packed: [1, T, D], got shape {tuple(x.shape)}")
-    check_cu_seqlens(cu_seqlens, total)
+    check_cu_seqlens(cu_seqlens, total, batch=x.shape[0])
     return torch.as_tensor(cu_seqlens)
 
 
