@@ -66,3 +66,19 @@ def test_peer_layer_without_the_package_is_an_import_error_naming_it(monkeypatch
     monkeypatch.setitem(sys.modules, "fla.layers.kda", None)  # import fails as if not installed
     with pytest.raises(ImportError, match="pip install flash-linear-attention"):
         FlaKDALayer(KDAConfig(d_model=32, num_heads=2, head_dim=16, output_gate_rank=16))
+
+
+def test_bench_layer_prints_the_stream_table_for_rows_that_have_it(capsys):
+    import bench_layer
+
+    m = {"fwd_ms": 3.4, "fwd_bwd_ms": 11.9, "peak_MiB": 3136, "fwd_stream_ms": 3.21, "fwd_host_ms": 0.42,
+         "fwd_bwd_stream_ms": 11.5, "fwd_bwd_host_ms": 1.37}
+    peer = {k: v * 2 for k, v in m.items()}
+    row = {"shape": {"name": "L1"}, "kda_cp": m, "fla": peer, "speedup_fwd_ms": 2.0, "speedup_fwd_bwd_ms": 2.0}
+    bench_layer.print_rows([row])
+    out = capsys.readouterr().out
+    assert "| shape | layer | fwd stream ms (host) | fwd+bwd stream ms (host) |" in out
+    assert "| L1 | kda_cp | 3.21 (0.42) | 11.50 (1.37) |" in out
+    assert "| L1 | fla | 6.42 (0.84) | 23.00 (2.74) |" in out
+    bench_layer.print_rows([{"shape": {"name": "tiny"}, "kda_cp": {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0}}])
+    assert "stream ms" not in capsys.readouterr().out  # CPU rows carry no stream metrics
