@@ -2,7 +2,8 @@
 # The one-GPU check-and-benchmark pass: every `gpu` test of the kernels and of CP through them, the CP
 # cost benchmark, and the forward/backward benchmarks side by side with fla-core (when installed).
 #
-#   OUT=results bash scripts/gpu_pass.sh [tests|bench|kernels|tune|fla ...]   (default: tests bench)
+#   OUT=results bash scripts/gpu_pass.sh [tests|bench|kernels|options|segments|tune|fla|layer|conv|hybrid ...]
+#   (default: tests bench)
 #
 # "tests": pytest -m gpu on the kernel, segment and one-process CP tests; "bench": scripts/bench_cp.py;
 # "kernels": bench_kernels.py (forward and CP summary at S1-S3, with fla-core's forward when installed);

@@ -152,7 +152,7 @@ def test_packed_sequences_equal_separate_runs():
         assert_close(f"state[seq {i}]", s_i, s[i:i + 1], 1e-10)
 
 
-# ---- the three degenerate cases of the kernel seed (§3.4) ----------------------------------
+# ---- three degenerate cases: KDA reduces to known recurrences ------------------------------
 
 
 def _gdn_recurrence(q, k, v, g_scalar, beta, scale):
