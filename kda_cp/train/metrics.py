@@ -55,7 +55,7 @@ def continue_metrics(path: Path, step: int) -> list[dict]:
             try:
                 rec = json.loads(raw)
                 rec_step = int(rec["step"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: "step": Infinity
                 torn = not any(x.strip() for x in lines[n + 1 :])
                 logger.warning("%s: dropping an unreadable line at byte %d (%s): %r", path, pos,
                                "torn by a crash" if torn else "damaged", raw[:80])

@@ -305,12 +305,12 @@ class Trainer:
         loss /= self.global_tokens
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}: training stops before this step is "
-                                     "applied or saved; the checkpoints hold earlier steps")
+                                     f"applied or saved; {self._saved_note()}")
         lr = engine.lr
         grad_norm = engine.step()
         if grad_norm is not None and not math.isfinite(grad_norm):  # the same on every rank (global norm)
             raise FloatingPointError(f"gradient norm is {grad_norm} at step {step + 1} (loss {loss:.4g}): training "
-                                     "stops before this step is saved; the checkpoints hold earlier steps")
+                                     f"stops before this step is saved; {self._saved_note()}")
         if layout.device.type == "cuda":
             torch.cuda.synchronize(layout.device)
         dt = time.perf_counter() - t0
@@ -322,6 +322,14 @@ class Trainer:
             self.mfus.append(entry["mfu"])
         self.tok_rates.append(tok_s)
         return entry
+
+    def _saved_note(self) -> str:
+        """Where a stopped run can go on from: its newest complete checkpoint, or that it has none."""
+        steps = self.ckpts.complete_steps()
+        if steps:
+            return f"the newest checkpoint holds step {steps[0]} (trainer.resume=true continues from it)"
+        return (f"no checkpoint was written yet (trainer.checkpoint_every={self.cfg.trainer.checkpoint_every}), so "
+                f"there is nothing to resume: start again with a new trainer.run_dir")
 
     def save_checkpoint(self, step: int) -> None:
         """Collective: the checkpoint of ``step`` (engine state, config, every rank's RNG state), atomic.

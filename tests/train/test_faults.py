@@ -499,7 +499,8 @@ def test_nan_gradients_stop_the_run_before_the_step_is_saved(tmp_path, monkeypat
 
     monkeypatch.setattr(TorchEngine, "reduce", poisoned)
     extra = ["trainer.max_steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
-    with pytest.raises(FloatingPointError, match=r"gradient norm is nan at step 2 "):
+    with pytest.raises(FloatingPointError, match=r"gradient norm is nan at step 2 .*the newest checkpoint holds "
+                                                 r"step 1 \(trainer.resume=true continues from it\)"):
         _run(run, *extra)
     steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert steps == ["step_00000001"], steps
@@ -683,12 +684,41 @@ def test_damaged_metrics_line_drops_only_itself(tmp_path):
     assert path.read_text() == good[0] + good[1] + good[3] + good[4]
 
 
+@pytest.mark.parametrize("bad", ['{"step": Infinity, "loss": 1.0}', '{"step": 1e400}', '{"step": NaN}'])
+def test_a_step_that_is_no_integer_is_a_damaged_line(tmp_path, bad):
+    """json reads Infinity, 1e400 and NaN as floats that int() refuses (OverflowError, ValueError):
+    such a line is dropped like any damaged one, and the resume goes on."""
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text(good[0] + bad + "\n" + good[1] + good[2])
+    assert [m["step"] for m in continue_metrics(path, 3)] == [1, 2, 3]
+    assert path.read_text() == "".join(good)
+
+
 @pytest.mark.parametrize("override,field", [("optim.eps=inf", "optim.eps"), ("parallel.threads_per_rank=0",
                                                                            "parallel.threads_per_rank"),
                                             ("parallel.threads_per_rank=-1", "parallel.threads_per_rank")])
 def test_bad_numbers_name_their_key(override, field):
     with pytest.raises(ValueError, match=field):
         to_train_config(_cfg([*TINY, override]))
+
+
+def test_nan_before_any_checkpoint_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    """With no checkpoint written yet (checkpoint_every=0 saves at the end only), the error says
+    so and where to go instead of naming checkpoints that do not exist."""
+    from kda_cp.train.engine import TorchEngine
+
+    real = TorchEngine.reduce
+
+    def poisoned(self, loss_sum, stop=False):
+        out = real(self, loss_sum, stop)
+        next(iter(self.params)).grad.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(TorchEngine, "reduce", poisoned)
+    with pytest.raises(FloatingPointError, match=r"at step 1 .*no checkpoint was written yet "
+                                                 r"\(trainer.checkpoint_every=0\).*new trainer.run_dir"):
+        _run(tmp_path / "run", "trainer.max_steps=3", "trainer.checkpoint_every=0")
 
 
 def test_a_bool_key_takes_true_or_false_only():
