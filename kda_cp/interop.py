@@ -16,9 +16,10 @@ differently. The math is the same, so a state dict converts both ways without lo
 
 The gate form is the layer config's (``KDAConfig.g_min``): a bound for the peer's
 ``safe_gate=True, lower_bound=g_min`` layers, None for the softplus gate of the released Kimi
-Linear models. The layer config must have ``output_gate_rank`` set to the checkpoint's output-gate
-rank (fla: head_v_dim; Kimi Linear: head_dim), and ``num_v_heads`` to the checkpoint's value heads
-HV (fla's num_v_heads; HV = H without GVA).
+Linear models; the weights do not say which, so set it to the checkpoint's. The layer config must
+have ``output_gate_rank`` set to the checkpoint's output-gate rank (fla: head_v_dim; Kimi Linear:
+head_dim), ``gate_rank`` to its decay gate's rank (fla: head_v_dim; None means head_dim), and
+``num_v_heads`` to the checkpoint's value heads HV (fla's num_v_heads; HV = H without GVA).
 
     sd = import_kda_state_dict(fla_layer.state_dict(), config, layout="fla")
     KDALayer(config).load_state_dict(sd)
@@ -44,6 +45,9 @@ _GATES = {  # kda_cp name -> layout name of the two low-rank gates (and the deca
              "og_proj.0.weight": "g_a_proj.weight", "og_proj.1.weight": "g_b_proj.weight"},
 }
 _SAME = ("b_proj.weight", "o_norm.weight", "o_proj.weight")
+# the config field that sets a low-rank factor's inner size, named when its shape does not fit
+_RANK_FIELD = {"g_down.weight": "gate_rank", "g_up.weight": "gate_rank", "og_proj.0.weight": "output_gate_rank",
+               "og_proj.1.weight": "output_gate_rank"}
 
 
 def _shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
@@ -61,8 +65,10 @@ def _shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
             "og_proj.1.bias": (HV * V,), "o_norm.weight": (V,), "o_proj.weight": (D, HV * V)}
 
 
-def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], problems: list[str]):
-    """sd[name] if present with ``shape``; else None, with the problem appended to ``problems``."""
+def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], problems: list[str],
+          ours: str | None = None):
+    """sd[name] if present, a floating-point tensor of ``shape``; else None, with the problem
+    appended to ``problems``. ``ours``: the kda_cp name, whose config field a shape error names."""
     if name not in sd:
         problems.append(f"missing {name!r}")
         return None
@@ -70,8 +76,13 @@ def _take(sd: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], pro
     if not isinstance(t, torch.Tensor):
         problems.append(f"{name!r} is a {type(t).__name__}, expected a tensor")
         return None
+    if not t.is_floating_point():  # load_state_dict would cast ints and bools silently
+        problems.append(f"{name!r} is {t.dtype}, expected a floating-point tensor")
+        return None
     if tuple(t.shape) != tuple(shape):
-        problems.append(f"{name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        field = _RANK_FIELD.get(ours or name)
+        hint = f" (its rank is KDAConfig.{field}{', None: head_dim' if field == 'gate_rank' else ''})" if field else ""
+        problems.append(f"{name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}{hint}")
         return None
     return t
 
@@ -102,7 +113,8 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     Raises:
         TypeError: ``sd`` not a mapping or ``config`` not a KDAConfig.
         ValueError: an unknown layout; or, all in one message, missing keys, shapes that do not fit
-            ``config``, a convolution bias (kda_cp's short convolution has none) and keys left over.
+            ``config``, tensors that are not floating point, a convolution bias (kda_cp's short
+            convolution has none) and keys left over.
     """
     _check_layout(sd, layout, config)
     shapes = _shapes(config)
@@ -111,9 +123,9 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     problems: list[str] = []
     used = set()
 
-    def take(name, shape):
+    def take(name, shape, ours=None):
         used.add(name)
-        return _take(sd, name, shape, problems)
+        return _take(sd, name, shape, problems, ours)
 
     for part in ("q", "k", "v"):
         if f"{part}_conv1d.bias" in sd:
@@ -125,7 +137,7 @@ def import_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     for what, ts in (("q/k/v_proj", proj), ("q/k/v_conv1d", conv)):  # stacked into one tensor: one dtype
         if len({x.dtype for x in ts if x is not None}) > 1:
             problems.append(f"{what} weights differ in dtype ({', '.join(str(x.dtype) for x in ts if x is not None)})")
-    gates = {ours: take(theirs, shapes[ours]) for ours, theirs in _GATES[layout].items()}
+    gates = {ours: take(theirs, shapes[ours], ours) for ours, theirs in _GATES[layout].items()}
     A_log = take("A_log", (1, 1, c.v_heads, 1) if layout == "kimi" else shapes["A_log"])
     same = {name: take(name, shapes[name]) for name in _SAME}
     left = sorted(set(sd) - used)
@@ -145,8 +157,8 @@ def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
 
     Raises:
         TypeError: ``sd`` not a mapping or ``config`` not a KDAConfig.
-        ValueError: an unknown layout; missing keys, shapes that do not fit ``config`` or keys the
-            layer does not have (all in one message); or (layout "kimi", which has no output-gate
+        ValueError: an unknown layout; missing keys, shapes that do not fit ``config``, tensors
+            that are not floating point or keys the layer does not have (all in one message); or (layout "kimi", which has no output-gate
             bias) a nonzero og_proj.1.bias.
     """
     _check_layout(sd, layout, config)

@@ -300,9 +300,8 @@ class KDALayer(nn.Module):
             return None
         if not isinstance(cu_seqlens, torch.Tensor):  # host offsets (the model's): a device copy never read back
             return device_offsets(check_cu_seqlens(cu_seqlens), x.device)
-        cu_seqlens = cu_seqlens.to(x.device)
-        check_cu_seqlens_tensor(cu_seqlens)  # its form before the conv reads it; the op checks the values
-        return cu_seqlens
+        check_cu_seqlens_tensor(cu_seqlens)  # its form before the copy and the conv read it; the op checks the values
+        return cu_seqlens.to(x.device)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config

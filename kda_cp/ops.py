@@ -50,6 +50,8 @@ def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
             or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {_shape(cu_seqlens)}")
+    if cu_seqlens.is_meta:  # no values to read
+        raise ValueError("cu_seqlens must hold its offsets (a CPU or CUDA tensor), got a meta tensor")
 
 
 def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool = True,

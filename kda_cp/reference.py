@@ -113,7 +113,8 @@ def naive_recurrent_kda(
                 o[b, t] = torch.einsum("hk,hkv->hv", qt, S) * scale
             finals_list.append((n, S))
     if output_final_state:
-        finals = torch.stack([s for _, s in sorted(finals_list, key=lambda x: x[0])])
+        if finals_list:  # B = 0 (or no sequence) leaves the zero [n_states, H, K, V] made above
+            finals = torch.stack([s for _, s in sorted(finals_list, key=lambda x: x[0])])
         return o, finals
     return o, None
 

@@ -191,6 +191,15 @@ def test_bad_state_dicts_raise():
                               cfg, "kimi")
     with pytest.raises(ValueError, match="'A_log' is a list, expected a tensor"):
         import_kda_state_dict({**sd, "A_log": [0.0, 0.0]}, cfg)
+    for bad_t in (sd["o_proj.weight"] > 0, sd["o_proj.weight"].to(torch.int8)):  # load_state_dict would cast them
+        with pytest.raises(ValueError, match=rf"'o_proj.weight' is {bad_t.dtype}, expected a floating-point tensor"):
+            import_kda_state_dict({**sd, "o_proj.weight": bad_t}, cfg)
+    with pytest.raises(ValueError, match=r"'A_log' is torch.int64, expected a floating-point"):
+        export_kda_state_dict({**import_kda_state_dict(sd, cfg), "A_log": torch.zeros(H, dtype=torch.int64)}, cfg)
+    f0 = sd["f_proj.0.weight"]  # a decay gate of another rank: the error names the config field
+    with pytest.raises(ValueError, match=r"'f_proj.0.weight' has shape .* \(its rank is KDAConfig.gate_rank, None: "
+                                         r"head_dim\)"):
+        import_kda_state_dict({**sd, "f_proj.0.weight": torch.cat([f0, f0])}, cfg)
     with pytest.raises(ValueError, match=r"'v_proj.weight' has shape \(64, 48\), expected \(32, 48\)"):
         import_kda_state_dict(_fla_weights(seed=1, HV=2 * H), cfg)  # a GVA checkpoint needs num_v_heads
     # every problem in one message, both ways

@@ -76,6 +76,8 @@ def test_layer_bad_input():
             layer(x, cu_seqlens=cu)
     with pytest.raises(ValueError, match="cu_seqlens must not decrease"):
         layer(x, cu_seqlens=torch.tensor([0, 30, 20, 40]))
+    with pytest.raises(ValueError, match="cu_seqlens must hold its offsets .* got a meta tensor"):
+        layer(x, cu_seqlens=torch.tensor([0, 30, 40], device="meta"))
     with pytest.raises(ValueError, match="g_min"):
         KDAConfig(g_min=-6.0)
     with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 4"):

@@ -234,6 +234,19 @@ def test_empty_sequences_in_a_packed_batch():
     assert torch.equal(s[1], h0[1]) and torch.equal(s[3], h0[3])  # an empty sequence keeps its state
 
 
+def test_an_empty_batch_gives_empty_outputs_like_chunk_kda():
+    q, k, v, g, beta, _ = make_inputs(0, 5, 2, 4, 3)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    assert o_ref.shape == o.shape == (0, 5, 2, 3) and s_ref.shape == s.shape == (0, 2, 4, 3)
+
+
+def test_meta_offsets_are_refused_by_name():
+    one = make_inputs(1, 20, 2, 8, 4)[:5]
+    with pytest.raises(ValueError, match="cu_seqlens must hold its offsets .* got a meta tensor"):
+        chunk_kda(*one, cu_seqlens=torch.tensor([0, 7, 20], device="meta"))
+
+
 def test_recurrence_checks_its_inputs_like_chunk_kda():
     """Inputs the per-token loop would silently mis-read (it indexes k, v by q's batch, walks the
     given segments) are ValueErrors naming the argument; the same inputs are valid otherwise."""
