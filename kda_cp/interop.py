@@ -158,8 +158,8 @@ def export_kda_state_dict(sd: Mapping[str, torch.Tensor], config: KDAConfig, lay
     Raises:
         TypeError: ``sd`` not a mapping or ``config`` not a KDAConfig.
         ValueError: an unknown layout; missing keys, shapes that do not fit ``config``, tensors
-            that are not floating point or keys the layer does not have (all in one message); or (layout "kimi", which has no output-gate
-            bias) a nonzero og_proj.1.bias.
+            that are not floating point or keys the layer does not have (all in one message); or
+            (layout "kimi", which has no output-gate bias) a nonzero og_proj.1.bias.
     """
     _check_layout(sd, layout, config)
     shapes = _shapes(config)

@@ -66,8 +66,9 @@ def check_cu_seqlens(cu_seqlens, total: int | None = None, *, allow_empty: bool 
         batch: the input's batch size B, which packed sequences need to be 1 (None: not checked).
 
     Raises:
-        ValueError: ``batch`` not 1, not 1-D integers, fewer than 2 entries, not starting at 0, decreasing (or, with
-            allow_empty=False, not strictly increasing), or not ending at ``total``.
+        ValueError: ``batch`` not 1, not 1-D integers, a meta tensor, fewer than 2 entries, not
+            starting at 0, decreasing (or, with allow_empty=False, not strictly increasing), or not
+            ending at ``total``.
     """
     if batch is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {batch}")
