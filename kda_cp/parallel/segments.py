@@ -33,8 +33,8 @@ __all__ = ["SegmentedBackend", "SegmentPlan", "segment_plan", "auto_segment_len"
 #: AUTO_SEGMENT_LEN tokens when every (sequence, value head) chain together carries at most
 #: AUTO_MAX_COLUMNS value columns and the longest sequence has at least AUTO_MIN_TOKENS tokens.
 #: H100, forward+backward (docs/benchmarks.md, "Segments inside one GPU"): B=1, K=V=128,
-#: unsplit / split at 8192: H=8 T=65536 6.39 / 5.58 ms, H=4 T=131072 8.50 / 6.01 ms, both split;
-#: H=16 T=32768 4.99 / 5.35 ms and H=32 T=16384 4.58 / 5.27 ms, both unsplit. Segments of 4096
+#: unsplit / split at 8192: H=8 T=65536 6.16 / 5.31 ms, H=4 T=131072 8.41 / 5.45 ms, both split;
+#: H=16 T=32768 4.86 / 5.23 ms and H=32 T=16384 4.49 / 5.18 ms, both unsplit. Segments of 4096
 #: lose to 8192 in every row (more chains, each with its summary and scan step).
 AUTO_SEGMENT_LEN = 8192
 AUTO_MAX_COLUMNS = 8 * 128
