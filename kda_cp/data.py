@@ -89,7 +89,8 @@ def _files(path: str | None, pattern: str) -> list[Path]:
     if path is None:
         files = stdlib_files(pattern)
         if not files:
-            raise ValueError(f"data.pattern={pattern!r}: no file of the standard library ({sysconfig.get_paths()['stdlib']}) matches it")
+            raise ValueError(f"data.pattern={pattern!r}: no file of the standard library "
+                             f"({sysconfig.get_paths()['stdlib']}) matches it")
         return files
     p = Path(path).expanduser()
     if p.is_file():

@@ -140,12 +140,12 @@ def cp_attention(
             f"cp_attention: q, k must be [B, T, H, D] and v [B, T, H, Dv] alike, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if cu_seqlens is not None:
-        cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0])  # its form; the length is checked below
-    if group_rank_and_size(cp_group)[1] == 1:
+    single = group_rank_and_size(cp_group)[1] == 1
+    if cu_seqlens is not None:  # before any exchange; under CP the whole length is checked below
+        cu_seqlens = check_cu_seqlens(cu_seqlens, q.shape[1] if single else None, batch=q.shape[0])
+    if single:
         if cu_seqlens is None:
             return causal_attention(q, k, v, 0, scale)
-        cu_seqlens = check_cu_seqlens(cu_seqlens, q.shape[1])
         start, k_all, v_all = 0, k, v
     else:
         if lengths is None:
